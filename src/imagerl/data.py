@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from imagerl.distributed.rng import make_generator
+
 BUNDLED_PROMPTS = "ocr_prompts_128.txt"  # first 128 lines of flow_grpo's OCR test prompts (MIT)
 
 
@@ -98,7 +100,7 @@ class GroupSampler:
         self.rank, self.world_size = rank, world_size
 
     def _permutation(self, epoch: int) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        gen = make_generator(self.seed, "prompt_order", epoch)
         return torch.randperm(len(self.prompt_set), generator=gen).tolist()
 
     def groups_for(self, step: int) -> PromptGroups:

@@ -1,0 +1,69 @@
+"""Which denoising steps are stochastic (SDE) and trained; all others are deterministic ODE steps.
+
+A window is `num_sde_steps` consecutive steps starting at `start`, inside `sde_window_range = (lo, hi)`
+(start in [lo, hi - num_sde_steps]). `start` is either fixed (an int) or "random": drawn per rollout
+from a generator seeded by (seed, rollout step), hence identical on every rank and reproducible on
+resume. The last denoising step (sigma 0.02 -> 0) is never stochastic: flow_grpo keeps it ODE because
+the Gaussian is too sharp there.
+
+flow_grpo's Qwen-Image recipe asks for size 2 in range (0, 5), i.e. a random start in [0, 3], but its
+pipeline calls `random.seed(0)` right before `random.randint(0, 3)`, which returns 3 every time, so
+the effective window is always steps {3, 4} (sigmas 0.7666, 0.6733 at 512^2 / 10 steps;
+reference/flow_grpo.md §3.4). Our default `sde_window_start = 3` reproduces that behaviour explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from imagerl.distributed.rng import make_generator
+
+
+@dataclass(frozen=True)
+class SDEWindow:
+    start: int
+    size: int
+
+    @property
+    def steps(self) -> range:
+        return range(self.start, self.start + self.size)
+
+    def __contains__(self, step: int) -> bool:
+        return self.start <= step < self.start + self.size
+
+
+def validate_window(num_steps: int, num_sde_steps: int, window_range: tuple[int, int], start) -> None:
+    """Raise ValueError with a fix if the window cannot fit the schedule."""
+    lo, hi = window_range
+    if num_sde_steps < 1:
+        raise ValueError(f"sample.num_sde_steps must be >= 1, got {num_sde_steps}")
+    if not 0 <= lo < hi <= num_steps - 1:
+        raise ValueError(
+            f"sample.sde_window_range={list(window_range)} must satisfy 0 <= lo < hi <= num_steps - 1 = {num_steps - 1} "
+            "(the last step is always ODE)"
+        )
+    if num_sde_steps > hi - lo:
+        raise ValueError(
+            f"sample.num_sde_steps={num_sde_steps} does not fit sample.sde_window_range={list(window_range)} "
+            f"({hi - lo} steps); widen the range or train fewer steps"
+        )
+    if start == "random":
+        return
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise ValueError(f"sample.sde_window_start must be an int or 'random', got {start!r}")
+    if not lo <= start <= hi - num_sde_steps:
+        raise ValueError(
+            f"sample.sde_window_start={start} must lie in [{lo}, {hi - num_sde_steps}] so that "
+            f"{num_sde_steps} SDE steps fit in sample.sde_window_range={list(window_range)}"
+        )
+
+
+def sde_window(num_sde_steps: int, window_range: tuple[int, int], start, *, seed: int, rollout_step: int) -> SDEWindow:
+    """The window of one rollout; a random start depends only on (seed, rollout_step)."""
+    lo, hi = window_range
+    if start == "random":
+        gen = make_generator(seed, "sde_window", rollout_step)
+        start = int(torch.randint(lo, hi - num_sde_steps + 1, (1,), generator=gen))
+    return SDEWindow(int(start), num_sde_steps)
