@@ -24,6 +24,10 @@ def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.
     idx, num_groups = _group_index(group_ids)
     count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, idx, torch.ones_like(r))
     mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, idx, r) / count
+    # sum/count of K equal float64 values can be off by an ulp (std ~1e-17, not 0): use the value itself.
+    lo = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce_(0, idx, r, "amin")
+    hi = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, idx, r, "amax")
+    mean = torch.where(lo == hi, lo, mean)
     var = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, idx, (r - mean[idx]) ** 2) / count
     return mean[idx], var.sqrt()[idx]
 
@@ -65,3 +69,32 @@ def _unique_first(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(idx.numel())
     first = torch.full((num_groups,), idx.numel(), dtype=torch.long).scatter_reduce_(0, idx, positions, "amin")
     return idx, first
+
+
+def rollout_advantages(reward_B: torch.Tensor, valid_B: torch.Tensor, group_ids_B: torch.Tensor, world,
+                       global_std: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """This rank's advantages from rewards gathered over all ranks, plus reward metrics.
+
+    Samples whose reward is not finite (valid_B False) get advantage 0 and are left out of every
+    statistic; the caller decides whether they are allowed (reward.on_nan).
+    """
+    device = world.device
+    reward_all = world.all_gather(reward_B.to(device, torch.float64)).cpu()
+    valid_all = world.all_gather(valid_B.to(device)).cpu()
+    groups_all = world.all_gather(group_ids_B.to(device)).cpu()
+    adv_all = torch.zeros_like(reward_all)
+    kept = reward_all[valid_all]
+    if kept.numel():
+        adv_all[valid_all] = group_advantages(kept, groups_all[valid_all], global_std=global_std)
+    n = reward_B.numel()
+    stats = group_stats(kept, groups_all[valid_all]) if kept.numel() else GroupStats(float("nan"), float("nan"), 0)
+    metrics = {
+        "rollout/reward/raw_mean": kept.mean().item() if kept.numel() else float("nan"),
+        "rollout/reward/raw_std": kept.std(correction=0).item() if kept.numel() else float("nan"),
+        "rollout/reward/nan_count": int((~valid_all).sum()),
+        "rollout/zero_std_ratio": stats.zero_std_ratio,
+        "rollout/reward_std_mean": stats.reward_std_mean,
+        "rollout/num_groups": stats.num_groups,
+        "rollout/advantage_abs_mean": adv_all.abs().mean().item(),
+    }
+    return adv_all[world.rank * n : (world.rank + 1) * n].float(), metrics

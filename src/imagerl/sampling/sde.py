@@ -65,8 +65,13 @@ def flow_sde_step(
     sde_type: str = "sde",
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> SDEStepOutput:
-    """Step from sigma to sigma_next; with `prev_sample` given, only evaluate its log-prob."""
+    """Step from sigma to sigma_next; with `prev_sample` given, only evaluate its log-prob.
+
+    `noise` (standard normal, like `sample`) replaces the draw from `generator`, so that callers can
+    key each image's noise to its own seed, independent of batching.
+    """
     if sde_type not in ("sde", "cps"):
         raise ValueError(f"sde_type must be 'sde' or 'cps', got {sde_type!r}")
     if noise_level < 0:
@@ -101,7 +106,9 @@ def flow_sde_step(
         return SDEStepOutput(out, nan_B, mean, std, std_dev_t)
 
     if prev_sample is None:
-        prev_sample = mean + std * _gaussian_noise(x.shape, generator, x.device)
+        if noise is None:
+            noise = _gaussian_noise(x.shape, generator, x.device)
+        prev_sample = mean + std * noise.to(x.device, torch.float32)
     else:
         prev_sample = prev_sample.float()
     log_prob = -((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI

@@ -1,0 +1,122 @@
+"""Flow-GRPO policy update (flow_grpo scripts/train_qwenimage.py, reference/flow_grpo.md §4).
+
+Per rollout the rank's batches are split into `num_optimizer_steps` equal, consecutive chunks (no
+shuffling, zero-advantage samples trained too, as flow_grpo's Qwen trainer). For each batch and each
+window step j, one forward with grad replays the rollout's batch (same CFG), then
+
+  ratio   = exp(log_prob - old_log_prob)
+  A       = clip(advantage, -adv_clip_max, adv_clip_max)
+  policy  = mean_batch max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))
+  kl      = mean_batch mean_elements (mean - mean_ref)^2 / (2 std_dev_t^2)   (beta > 0; reference = LoRA off)
+  loss    = (policy + beta kl) / (batches_per_step x S)        -> the gradient of the mean over (sample, step)
+
+Gradients are averaged over ranks, clipped to max_grad_norm (global norm), then AdamW steps.
+Metric `log_prob_mean_abs_diff` is measured on the first optimizer step only, where the policy is
+still the rollout policy, so it must be exactly 0 for an exact replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from imagerl.config import Config
+from imagerl.distributed.parallel import World
+from imagerl.rollout import Rollout
+from imagerl.sampling import flow_sde_step
+
+
+def ppo_clip_loss(log_prob_B, old_log_prob_B, advantages_B, clip_range: float, adv_clip_max: float):
+    """Per-sample clipped surrogate (to minimise) and the ratio."""
+    adv = advantages_B.clamp(-adv_clip_max, adv_clip_max)
+    ratio = torch.exp(log_prob_B - old_log_prob_B)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped), ratio
+
+
+def kl_to_reference(mean_BNC, mean_ref_BNC, std_dev_t) -> torch.Tensor:
+    """flow_grpo's KL estimate per sample: element-mean squared mean difference / (2 std_dev_t^2)."""
+    sq = ((mean_BNC - mean_ref_BNC) ** 2).mean(dim=tuple(range(1, mean_BNC.ndim)))
+    return sq / (2 * std_dev_t.reshape(-1) ** 2)
+
+
+@dataclass
+class TrainStats:
+    loss: float
+    policy_loss: float
+    kl_loss: float
+    clipfrac: float
+    approx_kl: float
+    ratio_abs_minus_1: float
+    log_prob_mean_abs_diff: float
+    grad_norm: float
+    num_optimizer_steps: int
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"train/{k}": v for k, v in self.__dict__.items()}
+
+
+def _step_log_prob(adapter, rollout: Rollout, batch: slice, j: int, cond, cfg: Config):
+    s = cfg.sample
+    x = rollout.latents_BSNC[batch, j]
+    v = adapter.velocity(x, rollout.timesteps_S[j].expand(x.shape[0]), cond, s.height, s.width)
+    return flow_sde_step(x, v, rollout.sigmas_S[j], rollout.sigmas_next_S[j], noise_level=s.noise_level,
+                         sigma_max=rollout.sigma_max, sde_type=s.sde_type, prev_sample=rollout.next_latents_BSNC[batch, j])
+
+
+def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, optimizer: torch.optim.Optimizer,
+                     cfg: Config, world: World, progress=None) -> TrainStats:
+    t = cfg.train
+    params = adapter.trainable_parameters()
+    batches = rollout.batches()
+    per_step = len(batches) // t.num_optimizer_steps
+    num_steps_window = rollout.latents_BSNC.shape[1]
+    micro = per_step * num_steps_window
+    advantages_B = advantages_B.to(adapter.device, torch.float32)
+    sums = torch.zeros(7, dtype=torch.float64)  # loss, policy, kl, clipfrac, approx_kl, |ratio-1|, count
+    onpolicy_diff, onpolicy_count, grad_norms = 0.0, 0, []
+    adapter.transformer.train()
+    for opt_step in range(t.num_optimizer_steps):
+        optimizer.zero_grad(set_to_none=True)
+        for batch in batches[opt_step * per_step : (opt_step + 1) * per_step]:
+            cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
+            for j in range(num_steps_window):
+                out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
+                old = rollout.log_probs_BS[batch, j]
+                policy_B, ratio = ppo_clip_loss(out.log_prob, old, advantages_B[batch], t.clip_range, t.adv_clip_max)
+                kl_B = torch.zeros_like(policy_B)
+                if t.beta > 0:
+                    with torch.no_grad(), adapter.lora_disabled():
+                        ref = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
+                    kl_B = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
+                loss = policy_B.mean() + t.beta * kl_B.mean()
+                (loss / micro).backward()
+                with torch.no_grad():
+                    diff = (out.log_prob - old).double()
+                    n = diff.numel()
+                    sums += torch.tensor([loss.item() * n, policy_B.sum().item(), kl_B.sum().item(),
+                                          ((ratio - 1).abs() > t.clip_range).double().sum().item(),
+                                          (0.5 * diff**2).sum().item(), (ratio - 1).abs().double().sum().item(), n],
+                                         dtype=torch.float64)
+                    if opt_step == 0:
+                        onpolicy_diff += diff.abs().sum().item()
+                        onpolicy_count += n
+                if progress is not None:
+                    progress.update(1)
+        world.all_reduce_grads(params)
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)))
+        optimizer.step()
+    adapter.transformer.eval()
+    optimizer.zero_grad(set_to_none=True)
+
+    totals = torch.cat([sums, torch.tensor([onpolicy_diff, onpolicy_count], dtype=torch.float64)])
+    totals = world.all_reduce_mean_(totals.to(world.device)).cpu()  # equal counts per rank: mean of sums is fine
+    count = totals[6].item()
+    return TrainStats(
+        loss=totals[0].item() / count, policy_loss=totals[1].item() / count, kl_loss=totals[2].item() / count,
+        clipfrac=totals[3].item() / count, approx_kl=totals[4].item() / count,
+        ratio_abs_minus_1=totals[5].item() / count, log_prob_mean_abs_diff=totals[7].item() / max(totals[8].item(), 1),
+        grad_norm=sum(grad_norms) / len(grad_norms), num_optimizer_steps=t.num_optimizer_steps,
+    )

@@ -1,0 +1,76 @@
+"""imagerl command line: train | make-tiny-checkpoint | recipes | report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _train(args) -> int:
+    from imagerl.config import load_config
+    from imagerl.train import train
+
+    cfg = load_config(args.recipe, args.overrides)
+    if args.output_dir:
+        cfg.run.output_dir = args.output_dir
+    run_dir = train(cfg, resume=args.resume)
+    print(f"done: {run_dir} (metrics.jsonl, tensorboard/, images/, checkpoints/, reward_curve.png)")
+    return 0
+
+
+def _make_tiny(args) -> int:
+    from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
+
+    print(f"wrote {make_tiny_qwen_image(args.directory, seed=args.seed)}")
+    return 0
+
+
+def _recipes(args) -> int:
+    from imagerl.config import available_recipes, recipe_dir
+
+    for name in available_recipes():
+        first = (recipe_dir() / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+        print(f"{name:24s} {first}")
+    return 0
+
+
+def _report(args) -> int:
+    from imagerl.metrics import plot_reward_curve
+
+    print(f"wrote {plot_reward_curve(Path(args.run_dir))}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="imagerl", description="Online RL (Flow-GRPO) for flow-matching text-to-image models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train with a recipe and dotted overrides (section.key=value)")
+    p.add_argument("--recipe", default="quickstart", help="bundled recipe name or YAML path (default: quickstart)")
+    p.add_argument("--resume", default=None, help="'latest', a run directory or a checkpoint directory")
+    p.add_argument("--output-dir", default=None, help="run directory (default: run.output_dir of the recipe)")
+    p.add_argument("overrides", nargs="*", help="e.g. train.lr=1e-4 sample.group_size=8")
+    p.set_defaults(fn=_train)
+    p = sub.add_parser("make-tiny-checkpoint", help="write a tiny random Qwen-Image checkpoint (hub layout)")
+    p.add_argument("directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_make_tiny)
+    p = sub.add_parser("recipes", help="list bundled recipes")
+    p.set_defaults(fn=_recipes)
+    p = sub.add_parser("report", help="write reward_curve.png for a run directory")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileExistsError) as e:
+        print(f"imagerl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Build the run's components from a validated config: model path, family adapter with LoRA, optimizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from imagerl.config import Config
+from imagerl.distributed.parallel import World
+
+TINY_CHECKPOINT = "tiny-qwen-image-v1"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("IMAGERL_CACHE", Path.home() / ".cache" / "imagerl"))
+
+
+def resolve_model_path(spec: str, world: World | None = None) -> Path:
+    """"tiny" -> the tiny random checkpoint in the cache (built once, by rank 0); else the directory."""
+    if spec != "tiny":
+        return Path(spec).expanduser()
+    from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
+
+    path = cache_dir() / TINY_CHECKPOINT
+    if (world is None or world.is_main) and not (path / "model_index.json").is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make_tiny_qwen_image(path)
+    if world is not None:
+        world.barrier()
+    return path
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec]
+
+
+def load_adapter(cfg: Config, world: World):
+    """The family adapter with a fresh LoRA (trainable params fp32) on world.device."""
+    from imagerl.families.registry import resolve_family
+
+    path = resolve_model_path(cfg.model.path, world)
+    family = resolve_family(path, cfg.model.family)
+    adapter = family(path, world.device, resolve_dtype(cfg.model.dtype, world.device), cfg.model.prompt_cache_size)
+    torch.manual_seed(cfg.run.seed)  # LoRA init (gaussian A) is the only draw from the global RNG
+    adapter.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha,
+                     True if cfg.model.lora_init == "default" else cfg.model.lora_init,
+                     cfg.model.lora_target_modules or None)
+    if cfg.model.gradient_checkpointing:
+        adapter.transformer.enable_gradient_checkpointing()
+    adapter.transformer.eval()
+    return adapter
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
+    t = cfg.train
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                             weight_decay=t.weight_decay)

@@ -1,0 +1,309 @@
+"""Typed configuration: dataclasses, YAML recipes, dotted CLI overrides, up-front validation.
+
+A recipe is a YAML file with the sections below (any key left out keeps its default). Overrides on
+the command line use dotted keys: `imagerl train --recipe quickstart train.lr=1e-4 sample.group_size=8`.
+Values are parsed as YAML scalars/lists (`sample.sde_window_range=[0,5]`). Unknown keys and wrong
+types are errors that name the key and suggest the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from imagerl.sampling.window import validate_window
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"
+    """Local diffusers-format checkpoint directory, or "tiny" for a tiny random Qwen-Image built on first use."""
+    family: str = "auto"
+    """Family adapter name ("qwen_image"), or "auto" to resolve from the checkpoint."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ..."""
+    dtype: str = "auto"
+    """Forward dtype of the transformer and text encoder: "auto" (bfloat16 on GPU, float32 on CPU), "float32", "bfloat16"."""
+    lora_rank: int = 64
+    lora_alpha: int = 128
+    lora_init: str = "gaussian"
+    """PEFT init_lora_weights: "gaussian" (flow_grpo) or "default"; both start with B = 0 (no effect at step 0)."""
+    lora_target_modules: list[str] = field(default_factory=list)
+    """Empty: the family's default (the 12 modules of the flow_grpo/miles Qwen-Image recipes)."""
+    gradient_checkpointing: bool = True
+    prompt_cache_size: int = 4096
+    """Prompt embeddings kept (LRU) across rollouts; one text-encoder pass per unique prompt."""
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = "bundled"
+    """.txt (one prompt per line) or .jsonl ("prompt" field); "bundled" = 128 OCR prompts shipped with imagerl."""
+
+
+@dataclass
+class SampleConfig:
+    height: int = 512
+    width: int = 512
+    num_steps: int = 10
+    guidance_scale: float = 4.0
+    """True CFG scale (Qwen-Image: with norm rescale); <= 1 disables CFG. Same value in rollout and training."""
+    negative_prompt: str = " "
+    max_sequence_length: int = 512
+    noise_level: float = 1.2
+    sde_type: str = "sde"
+    num_sde_steps: int = 2
+    """SDE (= trained) steps per trajectory; flow_grpo Qwen-Image: 2."""
+    sde_window_range: list[int] = field(default_factory=lambda: [0, 5])
+    sde_window_start: typing.Union[int, str] = 3
+    """Int (fixed) or "random". 3 reproduces flow_grpo's effective Qwen-Image window {3, 4} (see sampling/window.py)."""
+    prompts_per_rollout: int = 32
+    """Unique prompts per rollout, over all ranks (flow_grpo: 32)."""
+    group_size: int = 16
+    """Samples per prompt K (flow_grpo: 16)."""
+    batch_size: int = 4
+    """Samples per forward per rank (CFG doubles it); training replays the same batches."""
+
+
+@dataclass
+class TrainConfig:
+    num_rollouts: int = 100
+    lr: float = 3e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    beta: float = 0.0
+    """KL weight against the LoRA-disabled reference policy (0: no reference forward)."""
+    num_optimizer_steps: int = 2
+    """Optimizer steps per rollout; the rollout's samples are split evenly (flow_grpo: 2)."""
+    global_std: bool = True
+    """Advantage std over the whole rollout (True, flow_grpo Qwen-Image) or per group."""
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    """Reward name -> weight; the training reward is the weighted sum."""
+    on_nan: str = "error"
+    """"error": stop with a message; "drop": NaN samples get advantage 0, counted in rollout/reward/nan_count."""
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/{recipe}"
+    seed: int = 42
+    checkpoint_every: int = 10
+    """Rollouts between checkpoints (the last rollout is always saved)."""
+    keep_checkpoints: int = 3
+    image_grid_every: int = 10
+    """Rollouts between sample-image grids written to <output_dir>/images (0: never)."""
+    tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    recipe: str = "custom"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output_dir.format(recipe=self.recipe))
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def _check_type(key: str, value, hint):
+    """Coerce/verify one value against a dataclass field type; ValueError names the key."""
+    origin = typing.get_origin(hint)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool):
+        if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+            return value
+        raise ValueError(f"{key}: expected {hint.__name__}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+        _, val_t = typing.get_args(hint)
+        return {str(k): _check_type(f"{key}.{k}", v, val_t) for k, v in value.items()}
+    if origin is typing.Union:
+        for option in typing.get_args(hint):
+            try:
+                return _check_type(key, value, option)
+            except ValueError:
+                pass
+        raise ValueError(f"{key}: {value!r} is none of {[getattr(a, '__name__', a) for a in typing.get_args(hint)]}")
+    raise TypeError(f"unsupported config type {hint} for {key}")
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    obj = cfg
+    for depth, name in enumerate(parts):
+        hints = typing.get_type_hints(type(obj))
+        if name not in hints:
+            prefix = ".".join(parts[:depth])
+            close = difflib.get_close_matches(name, list(hints), n=1)
+            hint = f"; did you mean {'.'.join([*parts[:depth], close[0]]) if prefix else close[0]}?" if close else ""
+            raise ValueError(f"unknown config key {dotted!r}{hint} (valid here: {', '.join(hints)})")
+        if dataclasses.is_dataclass(hints[name]):
+            if depth == len(parts) - 1:
+                if not isinstance(value, dict):
+                    raise ValueError(f"{dotted}: expected a section (mapping), got {value!r}")
+                for k, v in value.items():
+                    _set(cfg, f"{dotted}.{k}", v)
+                return
+            obj = getattr(obj, name)
+            continue
+        if depth != len(parts) - 1:
+            raise ValueError(f"config key {dotted!r}: {'.'.join(parts[:depth + 1])} is not a section")
+        setattr(obj, name, _check_type(dotted, value, hints[name]))
+        return
+
+
+def recipe_dir() -> Path:
+    return Path(str(resources.files("imagerl") / "recipes"))
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in recipe_dir().glob("*.yaml"))
+
+
+def load_config(recipe: str = "quickstart", overrides: list[str] = ()) -> Config:
+    """Recipe name (bundled) or path to a YAML file, then `key=value` overrides in order."""
+    path = Path(recipe)
+    if not path.suffix:
+        path = recipe_dir() / f"{recipe}.yaml"
+        if not path.is_file():
+            raise ValueError(f"unknown recipe {recipe!r}; bundled recipes: {', '.join(available_recipes())}")
+    elif not path.is_file():
+        raise ValueError(f"recipe file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
+    cfg = Config(recipe=path.stem)
+    for key, value in data.items():
+        _set(cfg, key, value)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r}: cannot parse value: {e}") from e
+        if isinstance(value, str) and _looks_numeric(raw):
+            value = float(raw)  # YAML 1.1 reads "1e-4" as a string
+        _set(cfg, key.strip(), value)
+    return cfg
+
+
+def _looks_numeric(raw: str) -> bool:
+    try:
+        float(raw)
+        return True
+    except ValueError:
+        return False
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ---------------------------------------------------------------- validation and batch arithmetic
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Derived sizes per rollout. Samples are group-major: prompt g's K samples are consecutive."""
+
+    samples_per_rollout: int  # P x K over all ranks
+    prompts_per_rank: int  # P / W complete groups per rank
+    samples_per_rank: int  # P x K / W
+    batches_per_rank: int  # samples_per_rank / batch_size
+    batches_per_optimizer_step: int  # batches_per_rank / num_optimizer_steps
+    samples_per_optimizer_step: int  # over all ranks
+
+
+def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
+    """Check every setting that can be checked before loading a model; ValueError says how to fix it."""
+    s, t = cfg.sample, cfg.train
+    positive = {
+        "sample.height": s.height, "sample.width": s.width, "sample.num_steps": s.num_steps,
+        "sample.prompts_per_rollout": s.prompts_per_rollout, "sample.group_size": s.group_size,
+        "sample.batch_size": s.batch_size, "train.num_rollouts": t.num_rollouts,
+        "train.num_optimizer_steps": t.num_optimizer_steps, "model.lora_rank": cfg.model.lora_rank,
+        "sample.max_sequence_length": s.max_sequence_length,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if not 1 <= world_size:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if s.sde_type not in ("sde", "cps"):
+        raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
+    if s.noise_level <= 0:
+        raise ValueError(f"sample.noise_level must be > 0 for training (got {s.noise_level}); 0 is the ODE")
+    if len(s.sde_window_range) != 2:
+        raise ValueError(f"sample.sde_window_range must be [lo, hi], got {s.sde_window_range}")
+    validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
+    for key, value in {"train.lr": t.lr, "train.clip_range": t.clip_range, "train.beta": t.beta,
+                       "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm,
+                       "train.adv_clip_max": t.adv_clip_max}.items():
+        if value < 0:
+            raise ValueError(f"{key} must be >= 0, got {value}")
+    if not cfg.reward.weights:
+        raise ValueError("reward.weights is empty: name at least one reward, e.g. reward.weights={jpeg_compressibility: 1.0}")
+    if cfg.reward.on_nan not in ("error", "drop"):
+        raise ValueError(f"reward.on_nan must be 'error' or 'drop', got {cfg.reward.on_nan!r}")
+    if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
+
+    samples = s.prompts_per_rollout * s.group_size
+    if s.prompts_per_rollout % world_size:
+        raise ValueError(
+            f"sample.prompts_per_rollout={s.prompts_per_rollout} must be divisible by the {world_size} ranks so that "
+            f"each rank holds complete groups of sample.group_size={s.group_size}"
+        )
+    per_rank = samples // world_size
+    if per_rank % s.batch_size:
+        raise ValueError(
+            f"each rank generates prompts_per_rollout/ranks x group_size = {s.prompts_per_rollout // world_size} x "
+            f"{s.group_size} = {per_rank} samples, not a multiple of sample.batch_size={s.batch_size}"
+        )
+    batches = per_rank // s.batch_size
+    if batches % t.num_optimizer_steps:
+        raise ValueError(
+            f"{batches} batches per rank (of {s.batch_size} samples) cannot be split evenly into "
+            f"train.num_optimizer_steps={t.num_optimizer_steps}; change one of sample.prompts_per_rollout, "
+            "sample.group_size, sample.batch_size, train.num_optimizer_steps"
+        )
+    return BatchPlan(samples, s.prompts_per_rollout // world_size, per_rank, batches,
+                     batches // t.num_optimizer_steps, samples // t.num_optimizer_steps)

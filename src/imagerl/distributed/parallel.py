@@ -1,0 +1,78 @@
+"""Ranks and collectives in one place. Single process: every collective is the identity.
+
+Launch several ranks with torchrun; the group uses NCCL on CUDA and gloo on CPU. Each rank holds
+complete prompt groups (data.GroupSampler), so only rewards (for global-std advantages and logging),
+scalar metrics and LoRA gradients cross ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate equal-shaped tensors from all ranks in rank order (dim 0)."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            tensor.div_(self.size)
+        return tensor
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Average LoRA gradients over ranks (one flat buffer, one collective)."""
+        if self.size == 1:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.all_reduce_mean_(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={spec!r} but CUDA is not available; use model.device=cpu")
+    return device
+
+
+def init_world(device_spec: str = "auto") -> World:
+    """From torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), or a single process."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(device_spec)
+    if size == 1:
+        return World(0, 1, device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), device)

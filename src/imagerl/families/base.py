@@ -1,0 +1,139 @@
+"""The family adapter interface: everything model-specific goes through it, and nowhere else.
+
+Shapes: B images, N latent tokens, C latent channels (packed), L text tokens, D text width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning for one batch of B images, ready for the transformer.
+
+    embeds_BLD / mask_BL hold the cond rows, followed by the B uncond rows when `cfg` is on (the
+    cond+uncond batch of one CFG forward). mask_BL is None when no row is padded.
+    """
+
+    embeds_BLD: torch.Tensor
+    mask_BL: torch.Tensor | None
+    guidance_scale: float
+    cfg: bool
+
+    @property
+    def num_images(self) -> int:
+        return self.embeds_BLD.shape[0] // (2 if self.cfg else 1)
+
+
+class PromptCache:
+    """LRU map prompt -> (L, D) embedding, so each unique prompt is encoded once."""
+
+    def __init__(self, max_size: int):
+        self.max_size = max_size
+        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def get_many(self, prompts: list[str], encode) -> list[torch.Tensor]:
+        missing = list(dict.fromkeys(p for p in prompts if p not in self._items))
+        if missing:
+            for prompt, emb in zip(missing, encode(missing)):
+                self._items[prompt] = emb
+        out = []
+        for p in prompts:
+            self._items.move_to_end(p)
+            out.append(self._items[p])
+        while len(self._items) > max(self.max_size, len(set(prompts))):
+            self._items.popitem(last=False)
+        return out
+
+
+def read_model_index(path: Path) -> dict:
+    """model_index.json of a diffusers checkpoint directory, with errors that say what is wrong."""
+    if not path.is_dir():
+        raise ValueError(f"model.path={str(path)!r} is not a directory; point it at a local diffusers-format checkpoint")
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ValueError(
+            f"{path} has no model_index.json: not a diffusers-format checkpoint (expected model_index.json, "
+            "transformer/, vae/, scheduler/, text_encoder/, tokenizer/)"
+        )
+    try:
+        return json.loads(index.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{index} is not valid JSON: {e}") from e
+
+
+def check_components(path: Path, index: dict, expected: dict[str, str]) -> None:
+    """Each expected component must be listed with the expected class and have its folder."""
+    for name, cls in expected.items():
+        entry = index.get(name)
+        if not entry or entry[1] is None:
+            raise ValueError(f"{path}/model_index.json lists no {name!r} component (needed: {cls})")
+        if entry[1] != cls:
+            raise ValueError(f"{path}: component {name!r} is {entry[1]}, expected {cls}; wrong model.family?")
+        if not (path / name).is_dir():
+            raise ValueError(f"{path} lacks the {name}/ folder listed in model_index.json")
+
+
+class FamilyAdapter:
+    """Base class; see families/qwen_image.py for the contract of each method."""
+
+    name: str = ""
+    name_patterns: tuple[str, ...] = ()
+    lora_target_modules: tuple[str, ...] = ()
+    pipeline_class_name: str = ""
+
+    transformer: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    # --- LoRA -----------------------------------------------------------------------------------
+
+    def add_lora(self, rank: int, alpha: int, init: str, target_modules: list[str] | None = None):
+        from peft import LoraConfig
+
+        self.lora_config = LoraConfig(
+            r=rank, lora_alpha=alpha, init_lora_weights=init, lora_dropout=0.0,
+            target_modules=list(target_modules or self.lora_target_modules),
+        )
+        self.transformer.add_adapter(self.lora_config)
+        for p in self.transformer.parameters():  # fp32 master weights for the trainable LoRA params
+            if p.requires_grad:
+                p.data = p.data.float()
+        return self.trainable_parameters()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        from peft.utils import get_peft_model_state_dict
+
+        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.transformer).items()}
+
+    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from peft.utils import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.transformer, state)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"LoRA state has keys this model does not: {unexpected[:3]} ...")
+
+    @contextlib.contextmanager
+    def lora_disabled(self):
+        """The reference policy: the base model without the adapter."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    def autocast(self):
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.dtype)
+        return contextlib.nullcontext()

@@ -1,0 +1,186 @@
+"""Qwen-Image (1.0): dual-stream MMDiT, Qwen2.5-VL text encoder, 16-channel VAE, true CFG with norm rescale.
+
+Everything here mirrors diffusers 0.42.1 `QwenImagePipeline` (reference/diffusers_qwenimage.md §3.1):
+  prompts   template + "<|im_start|>assistant\\n", tokenized with max_length 1024 + 34, hidden_states[-1]
+            of the text encoder, the first 34 tokens (system turn + "<|im_start|>user\\n") dropped,
+            right-padded; truncated to max_sequence_length.
+  latents   (B, 1, 16, H/8, W/8) noise packed into 2x2 patches -> (B, H/16 * W/16, 64), channel c*4+dy*2+dx.
+  timestep  the transformer receives scheduler_timestep / 1000 (= sigma, up to float32 rounding).
+  CFG       v = u + s (c - u), rescaled per token to ||c|| (norm over the 64 packed channels), when s > 1.
+            Departure: cond and uncond run as one batched forward (diffusers runs two); the batch is
+            padded to the longer text with a key mask, which matches unpadded within float rounding.
+  decode    unpack, x / (1 / std) + mean, VAE decode (float32), frame 0, (x / 2 + 0.5).clamp(0, 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from imagerl.families.base import Conditioning, FamilyAdapter, PromptCache, check_components, read_model_index
+from imagerl.families.registry import register_family
+
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+TEMPLATE_DROP_TOKENS = 34  # diffusers' prompt_template_encode_start_idx
+TOKENIZER_MAX_LENGTH = 1024
+
+COMPONENTS = {
+    "transformer": "QwenImageTransformer2DModel",
+    "vae": "AutoencoderKLQwenImage",
+    "scheduler": "FlowMatchEulerDiscreteScheduler",
+    "text_encoder": "Qwen2_5_VLForConditionalGeneration",
+}
+
+
+def pack_latents(latents_BC1HW: torch.Tensor) -> torch.Tensor:
+    """(B, C, 1, h, w) -> (B, h/2 * w/2, 4C) with channel index c*4 + dy*2 + dx."""
+    b, c, _, h, w = latents_BC1HW.shape
+    x = latents_BC1HW.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(latents_BNC: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of pack_latents; h, w are the VAE latent height/width (pixels / 8)."""
+    b, _, c4 = latents_BNC.shape
+    x = latents_BNC.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, 1, h, w)
+
+
+def cfg_combine(cond_BNC: torch.Tensor, uncond_BNC: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG with per-token norm rescale to the conditional prediction (diffusers QwenImagePipeline)."""
+    comb = uncond_BNC + scale * (cond_BNC - uncond_BNC)
+    cond_norm = torch.norm(cond_BNC, dim=-1, keepdim=True)
+    comb_norm = torch.norm(comb, dim=-1, keepdim=True)
+    return comb * (cond_norm / comb_norm)
+
+
+@register_family
+class QwenImageFamily(FamilyAdapter):
+    name = "qwen_image"
+    name_patterns = ("qwen-image", "qwen_image", "qwenimage")
+    pipeline_class_name = "QwenImagePipeline"
+    # The 12 block Linears of the flow_grpo / miles Qwen-Image recipes (all but img_mod/txt_mod).
+    lora_target_modules = (
+        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    )
+
+    def __init__(self, path: str | Path, device: torch.device, dtype: torch.dtype, prompt_cache_size: int = 4096):
+        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+        path = Path(path)
+        index = read_model_index(path)
+        check_components(path, index, COMPONENTS)
+        if not (path / "tokenizer").is_dir():
+            raise ValueError(f"{path} lacks the tokenizer/ folder of a Qwen-Image checkpoint")
+        self.path, self.device, self.dtype = path, torch.device(device), dtype
+        self.scheduler_config = _read_json(path / "scheduler" / "scheduler_config.json")
+        self.transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+        self.transformer.to(self.device).requires_grad_(False)
+        self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+        self.vae.to(self.device).eval().requires_grad_(False)
+        self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
+        self.text_encoder.to(self.device).eval().requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)  # 8
+        self.latent_channels = self.transformer.config.in_channels // 4  # 16 (tiny: 4)
+        self.prompt_cache = PromptCache(prompt_cache_size)
+
+    # --- geometry ------------------------------------------------------------------------------
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """VAE latent (h, w) for an image; diffusers floors to multiples of 16 px."""
+        f = self.vae_scale_factor * 2
+        if height % f or width % f:
+            raise ValueError(f"sample.height/width must be multiples of {f} for {self.name}, got {height}x{width}")
+        return 2 * (height // f), 2 * (width // f)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        h, w = self.latent_grid(height, width)
+        return (h // 2) * (w // 2)
+
+    def initial_noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
+        """Packed float32 noise (B, N, C), one generator per image (independent of batching)."""
+        h, w = self.latent_grid(height, width)
+        noise = [torch.randn((1, self.latent_channels, 1, h, w), generator=g, dtype=torch.float32) for g in generators]
+        return pack_latents(torch.cat(noise)).to(self.device)
+
+    # --- text -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _encode_uncached(self, prompts: list[str], chunk: int = 16) -> list[torch.Tensor]:
+        out = []
+        for i in range(0, len(prompts), chunk):
+            texts = [PROMPT_TEMPLATE.format(p) for p in prompts[i : i + chunk]]
+            tokens = self.tokenizer(
+                texts, max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_DROP_TOKENS, padding=True, truncation=True,
+                return_tensors="pt",
+            ).to(self.device)
+            hidden = self.text_encoder(
+                input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
+            ).hidden_states[-1]
+            for row, mask in zip(hidden, tokens.attention_mask.bool()):
+                out.append(row[mask][TEMPLATE_DROP_TOKENS:].to(self.dtype))
+        return out
+
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int = 512) -> list[torch.Tensor]:
+        """One (L_i, D) embedding per prompt (valid tokens only), each unique prompt encoded once."""
+        embeds = self.prompt_cache.get_many(prompts, self._encode_uncached)
+        return [e[:max_sequence_length] for e in embeds]
+
+    def conditioning(self, cond: list[torch.Tensor], uncond: list[torch.Tensor] | None, guidance_scale: float) -> Conditioning:
+        """Right-pad the rows (cond, then uncond when CFG is on) to one (B', L, D) batch with a key mask."""
+        cfg = guidance_scale > 1 and uncond is not None
+        rows = list(cond) + (list(uncond) if cfg else [])
+        length = max(r.shape[0] for r in rows)
+        embeds = torch.zeros(len(rows), length, rows[0].shape[1], dtype=rows[0].dtype, device=self.device)
+        mask = torch.zeros(len(rows), length, dtype=torch.bool, device=self.device)
+        for i, r in enumerate(rows):
+            embeds[i, : r.shape[0]] = r
+            mask[i, : r.shape[0]] = True
+        return Conditioning(embeds, None if bool(mask.all()) else mask, float(guidance_scale), cfg)
+
+    # --- the model ------------------------------------------------------------------------------
+
+    def velocity(self, latents_BNC: torch.Tensor, timesteps_B: torch.Tensor, cond: Conditioning,
+                 height: int, width: int) -> torch.Tensor:
+        """Guided velocity (float32, B x N x C) at scheduler timesteps t (the model gets t / 1000)."""
+        h, w = self.latent_grid(height, width)
+        reps = 2 if cond.cfg else 1
+        hidden = latents_BNC.repeat(reps, 1, 1) if reps > 1 else latents_BNC
+        t = timesteps_B.to(self.device, torch.float32).repeat(reps) / 1000
+        with self.autocast():
+            pred = self.transformer(
+                hidden_states=hidden, timestep=t, encoder_hidden_states=cond.embeds_BLD,
+                encoder_hidden_states_mask=cond.mask_BL, img_shapes=[[(1, h // 2, w // 2)]] * hidden.shape[0],
+                return_dict=False,
+            )[0].float()
+        if not cond.cfg:
+            return pred
+        c, u = pred.chunk(2)
+        return cfg_combine(c, u, cond.guidance_scale)
+
+    @torch.no_grad()
+    def decode(self, latents_BNC: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Images (B, 3, H, W) float32 in [0, 1]."""
+        h, w = self.latent_grid(height, width)
+        z = unpack_latents(latents_BNC, h, w).to(self.vae.dtype)
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        image = self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return (image / 2 + 0.5).clamp(0, 1).float()
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    if not path.is_file():
+        raise ValueError(f"checkpoint lacks {path}")
+    return json.loads(path.read_text())

@@ -1,0 +1,122 @@
+"""The rollout engine: K samples per prompt, SDE inside the window, ODE elsewhere, trajectories recorded.
+
+Shapes: B images (this rank), S SDE (= trained) steps, N latent tokens, C packed latent channels.
+
+Reproducibility: image b's initial noise and SDE noise come from generators keyed by (seed, rollout
+step, global sample index, denoise step), so they do not depend on the batch size or on the rank the
+image lands on; the SDE window depends on (seed, rollout step) only.
+On-policy exactness: the training forward replays the same batches (same composition, padding,
+CFG batch and float32 latents), so with unchanged weights it reproduces `log_probs_BS` bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from imagerl.config import Config
+from imagerl.data import PromptGroups
+from imagerl.distributed.rng import make_generator
+from imagerl.families.base import Conditioning
+from imagerl.sampling import SDEWindow, flow_sde_step, flow_sigmas, flow_timesteps
+
+
+@dataclass
+class Rollout:
+    """One rank's trajectories of one rollout.
+
+    prompts_B, metadata_B: per image; group_ids_B (B,) long: global prompt-group index.
+    text_B: per-image prompt embedding (L_i, D) (shared with the prompt cache); negative: (L, D) or None.
+    latents_BSNC: float32 latent entering each window step; next_latents_BSNC: the sampled next latent.
+    log_probs_BS: float32 old log-probs; timesteps_S / sigmas_S / sigmas_next_S: float32 per window step.
+    images_B3HW: float32 in [0, 1] on the CPU. batch_size: the forward batch used (and replayed).
+    """
+
+    prompts_B: list[str]
+    metadata_B: list[dict]
+    group_ids_B: torch.Tensor
+    text_B: list[torch.Tensor]
+    negative: torch.Tensor | None
+    latents_BSNC: torch.Tensor
+    next_latents_BSNC: torch.Tensor
+    log_probs_BS: torch.Tensor
+    timesteps_S: torch.Tensor
+    sigmas_S: torch.Tensor
+    sigmas_next_S: torch.Tensor
+    sigma_max: torch.Tensor
+    images_B3HW: torch.Tensor
+    window: SDEWindow
+    batch_size: int
+
+    def __len__(self) -> int:
+        return len(self.prompts_B)
+
+    def batches(self) -> list[slice]:
+        return [slice(i, min(i + self.batch_size, len(self))) for i in range(0, len(self), self.batch_size)]
+
+    def conditioning(self, adapter, batch: slice, guidance_scale: float) -> Conditioning:
+        n = len(self.prompts_B[batch])
+        return adapter.conditioning(self.text_B[batch], [self.negative] * n if self.negative is not None else None,
+                                    guidance_scale)
+
+
+def _noise(seed: int, purpose: str, step: int, sample_ids: list[int], shape_fn, *keys: int) -> list[torch.Tensor]:
+    return [shape_fn(make_generator(seed, purpose, step, sid, *keys)) for sid in sample_ids]
+
+
+@torch.no_grad()
+def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, window: SDEWindow,
+             initial_noise_BNC: torch.Tensor | None = None, progress=None) -> Rollout:
+    """Sample K images for each prompt group of this rank; record the window's trajectory."""
+    s, seed, k = cfg.sample, cfg.run.seed, cfg.sample.group_size
+    prompts_B = [p for p in groups.prompts_G for _ in range(k)]
+    metadata_B = [m for m in groups.metadata_G for _ in range(k)]
+    sample_ids_B = [g * k + j for g in groups.group_ids_G for j in range(k)]
+    text_B = adapter.encode_prompts(prompts_B, s.max_sequence_length)
+    negative = adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0] if s.guidance_scale > 1 else None
+
+    h, w = s.height, s.width
+    sigmas = flow_sigmas(s.num_steps, adapter.image_seq_len(h, w), adapter.scheduler_config).to(adapter.device)
+    timesteps = flow_timesteps(sigmas, adapter.scheduler_config)
+    if initial_noise_BNC is None:
+        initial_noise_BNC = torch.cat(_noise(seed, "init_noise", rollout_step, sample_ids_B,
+                                             lambda g: adapter.initial_noise([g], h, w)))
+    if initial_noise_BNC.shape[0] != len(prompts_B):
+        raise ValueError(f"initial noise has {initial_noise_BNC.shape[0]} rows for {len(prompts_B)} samples")
+
+    traj_in, traj_out, log_probs, images = [], [], [], []
+    for start in range(0, len(prompts_B), s.batch_size):
+        batch = slice(start, start + s.batch_size)
+        n = len(prompts_B[batch])
+        cond = adapter.conditioning(text_B[batch], [negative] * n if negative is not None else None, s.guidance_scale)
+        x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
+        ins, outs, lps = [], [], []
+        for i in range(s.num_steps):
+            v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w)
+            if i in window:
+                noise = torch.cat(_noise(seed, "sde_noise", rollout_step, sample_ids_B[batch],
+                                         lambda g: torch.randn((1, *x.shape[1:]), generator=g), i))
+                out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=s.noise_level, sigma_max=sigmas[1],
+                                    sde_type=s.sde_type, noise=noise)
+                ins.append(x)
+                outs.append(out.prev_sample)
+                lps.append(out.log_prob)
+            else:
+                out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1])
+            x = out.prev_sample
+        traj_in.append(torch.stack(ins, 1))
+        traj_out.append(torch.stack(outs, 1))
+        log_probs.append(torch.stack(lps, 1))
+        images.append(adapter.decode(x, h, w).cpu())
+        if progress is not None:
+            progress.update(n)
+
+    steps = torch.tensor(list(window.steps), device=sigmas.device)
+    return Rollout(
+        prompts_B=prompts_B, metadata_B=metadata_B, group_ids_B=torch.tensor(groups.group_ids_G).repeat_interleave(k),
+        text_B=text_B, negative=negative, latents_BSNC=torch.cat(traj_in), next_latents_BSNC=torch.cat(traj_out),
+        log_probs_BS=torch.cat(log_probs), timesteps_S=timesteps[steps], sigmas_S=sigmas[steps],
+        sigmas_next_S=sigmas[steps + 1], sigma_max=sigmas[1], images_B3HW=torch.cat(images), window=window,
+        batch_size=s.batch_size,
+    )

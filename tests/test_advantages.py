@@ -1,0 +1,159 @@
+"""Group-relative advantages and group statistics against a numpy float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from imagerl.algorithms.advantages import group_advantages, group_stats
+
+
+def ref_advantages(rewards, group_ids, global_std, eps=1e-4):
+    """flow_grpo PerPromptStatTracker ('grpo'): (r - mean_g) / (np.std(.) + eps), np.std = population std."""
+    r = np.asarray(rewards, dtype=np.float64)
+    g = np.asarray(group_ids)
+    adv = np.empty_like(r)
+    for gid in np.unique(g):
+        sel = g == gid
+        std = np.std(r) if global_std else np.std(r[sel])
+        adv[sel] = (r[sel] - np.mean(r[sel])) / (std + eps)
+    return adv
+
+
+def ref_stats(rewards, group_ids):
+    r = np.asarray(rewards, dtype=np.float64)
+    g = np.asarray(group_ids)
+    groups = [r[g == gid] for gid in np.unique(g)]
+    zero = [x.max() == x.min() for x in groups]  # "all rewards equal", robust to float rounding of the mean
+    return float(np.mean(zero)), float(np.mean([np.std(x) for x in groups])), len(groups)
+
+
+def shuffled_groups(num_groups, k, seed, ids=None):
+    """Interleaved, non-contiguous group ids: `ids` (default 10*i + 3) each repeated k times, permuted."""
+    torch.manual_seed(seed)
+    ids = torch.as_tensor(ids if ids is not None else [10 * i + 3 for i in range(num_groups)])
+    return ids.repeat_interleave(k)[torch.randperm(num_groups * k)]
+
+
+@pytest.mark.parametrize("global_std", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("num_groups,k", [(4, 8), (3, 2), (16, 16)])
+def test_matches_numpy_reference(global_std, dtype, num_groups, k):
+    g = shuffled_groups(num_groups, k, seed=num_groups * k)
+    r = (torch.randn(num_groups * k, dtype=torch.float64) * 2 + 5).to(dtype)
+    adv = group_advantages(r, g, global_std=global_std)
+    assert adv.dtype == dtype and adv.shape == r.shape
+    ref = ref_advantages(r.double().numpy(), g.numpy(), global_std)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    np.testing.assert_allclose(adv.double().numpy(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("eps", [1e-4, 0.5, 0.0])
+def test_eps_and_population_std(eps):
+    # one group {0, 2}: mean 1, population std 1 (sample std would be sqrt 2)
+    adv = group_advantages(torch.tensor([0.0, 2.0], dtype=torch.float64), [0, 0], global_std=False, eps=eps)
+    assert torch.allclose(adv, torch.tensor([-1.0, 1.0], dtype=torch.float64) / (1 + eps), rtol=1e-14)
+
+
+def test_global_std_uses_all_rewards():
+    r = torch.tensor([0.0, 1.0, 10.0, 11.0], dtype=torch.float64)
+    g = [5, 5, 9, 9]
+    std_all = float(np.std(r.numpy()))  # 5.0249...
+    adv = group_advantages(r, g, global_std=True)
+    assert torch.allclose(adv, torch.tensor([-0.5, 0.5, -0.5, 0.5], dtype=torch.float64) / (std_all + 1e-4))
+    adv_local = group_advantages(r, g, global_std=False)
+    assert torch.allclose(adv_local, torch.tensor([-0.5, 0.5, -0.5, 0.5], dtype=torch.float64) / (0.5 + 1e-4))
+
+
+@pytest.mark.parametrize("global_std", [False, True])
+def test_size_one_groups_get_zero(global_std):
+    torch.manual_seed(0)
+    r = torch.randn(7, dtype=torch.float64)
+    g = torch.tensor([4, 1, 1, 9, 1, 2, 2])  # groups 4 and 9 have one sample
+    adv = group_advantages(r, g, global_std=global_std)
+    assert adv[0] == 0 and adv[3] == 0
+    np.testing.assert_allclose(adv.numpy(), ref_advantages(r.numpy(), g.numpy(), global_std), rtol=1e-12, atol=1e-15)
+    all_single = group_advantages(r, torch.arange(7), global_std=global_std)
+    assert torch.equal(all_single, torch.zeros(7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("global_std", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_all_equal_group_gets_exactly_zero(global_std, dtype):
+    torch.manual_seed(1)
+    for k in (2, 3, 5, 7, 16, 24):
+        for _ in range(20):
+            value = torch.rand((), dtype=torch.float64)  # arbitrary float64: sum/k need not round back to it
+            r = torch.cat([value.repeat(k), torch.randn(k, dtype=torch.float64)]).to(dtype)
+            g = torch.tensor([1] * k + [0] * k)
+            adv = group_advantages(r, g, global_std=global_std)
+            assert torch.equal(adv[:k], torch.zeros(k, dtype=dtype)), (k, float(value), adv[:k])
+            stats = group_stats(r, g)
+            assert stats.zero_std_ratio == 0.5 and stats.num_groups == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zero_mean_within_each_group(dtype):
+    g = shuffled_groups(8, 12, seed=2, ids=[100, -3, 7, 0, 55, 56, 1, 2])
+    r = (torch.rand(96, dtype=torch.float64) * 10).to(dtype)
+    adv = group_advantages(r, g, global_std=False).double()
+    for gid in g.unique():
+        sel = g == gid
+        assert abs(float(adv[sel].mean())) < 1e-6
+        assert abs(float(adv[sel].std(correction=0)) - 1) < 1e-3  # std / (std + 1e-4) ~ 1
+    adv_global = group_advantages(r, g, global_std=True).double()
+    for gid in g.unique():
+        assert abs(float(adv_global[g == gid].mean())) < 1e-6
+
+
+def test_group_id_labels_do_not_matter():
+    torch.manual_seed(3)
+    r = torch.randn(12, dtype=torch.float64)
+    g = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2])
+    relabelled = torch.tensor([99, -5, 7])[g]
+    for global_std in (False, True):
+        assert torch.allclose(group_advantages(r, g, global_std=global_std),
+                              group_advantages(r, relabelled, global_std=global_std), rtol=0, atol=1e-15)
+    # python lists are accepted for both
+    adv = group_advantages(r.tolist(), relabelled.tolist(), global_std=False)
+    np.testing.assert_allclose(adv.double().numpy(), ref_advantages(r.numpy(), g.numpy(), False), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rewards_raise(bad):
+    r = torch.tensor([0.1, bad, 0.3, 0.4])
+    with pytest.raises(ValueError, match="NaN"):
+        group_advantages(r, [0, 0, 1, 1], global_std=False)
+
+
+def test_shape_mismatch_and_non_1d_raise():
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(4), [0, 0, 1], global_std=False)
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.long), global_std=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_group_stats_matches_numpy(dtype):
+    g = shuffled_groups(10, 6, seed=4)
+    r = torch.rand(60, dtype=torch.float64)
+    # three groups with all-equal rewards (one binary-reward-like, two arbitrary floats)
+    for gid, value in [(3, 1.0), (23, 0.1), (93, 0.7310585786300049)]:
+        r[g == gid] = value
+    r = r.to(dtype)
+    stats = group_stats(r, g)
+    zero_ratio, std_mean, num_groups = ref_stats(r.double().numpy(), g.numpy())
+    assert num_groups == 10 and stats.num_groups == 10
+    assert stats.zero_std_ratio == zero_ratio == 0.3
+    assert abs(stats.reward_std_mean - std_mean) < 1e-12
+
+
+def test_group_stats_no_zero_std_groups():
+    torch.manual_seed(5)
+    r = torch.randn(16)
+    g = torch.arange(4).repeat(4)
+    stats = group_stats(r, g)
+    zero_ratio, std_mean, _ = ref_stats(r.double().numpy(), g.numpy())
+    assert stats.zero_std_ratio == zero_ratio == 0.0
+    assert abs(stats.reward_std_mean - std_mean) < 1e-12
