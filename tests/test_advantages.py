@@ -136,16 +136,19 @@ def test_shape_mismatch_and_non_1d_raise():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_group_stats_matches_numpy(dtype):
-    g = shuffled_groups(10, 6, seed=4)
-    r = torch.rand(60, dtype=torch.float64)
-    # three groups with all-equal rewards (one binary-reward-like, two arbitrary floats)
-    for gid, value in [(3, 1.0), (23, 0.1), (93, 0.7310585786300049)]:
+    torch.manual_seed(4)
+    sizes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 15])  # unequal: per-group, not per-sample, averages
+    g = (torch.arange(10) * 10 + 3).repeat_interleave(sizes)
+    g = g[torch.randperm(g.numel())]
+    r = torch.rand(g.numel(), dtype=torch.float64)
+    # all-equal rewards: a size-1 group, a binary-reward-like group and two arbitrary float64 values
+    for gid, value in [(3, 0.25), (43, 1.0), (73, 0.1), (93, 0.7310585786300049)]:
         r[g == gid] = value
     r = r.to(dtype)
     stats = group_stats(r, g)
     zero_ratio, std_mean, num_groups = ref_stats(r.double().numpy(), g.numpy())
     assert num_groups == 10 and stats.num_groups == 10
-    assert stats.zero_std_ratio == zero_ratio == 0.3
+    assert stats.zero_std_ratio == zero_ratio == 0.4
     assert abs(stats.reward_std_mean - std_mean) < 1e-12
 
 

@@ -202,3 +202,20 @@ def test_log_prob_gradient_flows_to_velocity_only(sde_type, a, given):
     grad_ref = (y - m) / s**2 * dm_dv / x[0].numel()
     assert v.grad is not None and float(v.grad.abs().max()) > 0
     assert torch.allclose(v.grad.double(), grad_ref, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("sde_type,a", [("sde", 1.2), ("cps", 0.8)])
+def test_explicit_noise_replaces_the_draw(sde_type, a):
+    x, v = rand_xv((2, 128, 64), seed=13)
+    torch.manual_seed(14)
+    eps = torch.randn_like(x)
+    sig, sig_next = SIGMAS[3], SIGMAS[4]
+    if sde_type == "sde":
+        mean_ref, std_ref, _ = ref_sde(x, v, sig, sig_next, a, SIGMA_MAX)
+    else:
+        mean_ref, std_ref, _ = ref_cps(x, v, sig, sig_next, a)
+    out = flow_sde_step(x, v, sig, sig_next, noise_level=a, sigma_max=SIGMA_MAX, sde_type=sde_type, noise=eps,
+                        generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(out.prev_sample.double(), mean_ref + std_ref * eps.double(), rtol=1e-6, atol=1e-6)
+    lp_ref = ref_log_prob(out.prev_sample, mean_ref, std_ref)
+    assert torch.allclose(out.log_prob.double(), lp_ref, rtol=0, atol=1e-5)

@@ -1,0 +1,31 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Qwen-Image checkpoint in the hub layout, built once per test session."""
+    from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
+
+    return make_tiny_qwen_image(tmp_path_factory.mktemp("ckpt") / "tiny-qwen-image")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """model.path=tiny must never touch the user's ~/.cache during tests."""
+    monkeypatch.setenv("IMAGERL_CACHE", str(tmp_path_factory.getbasetemp() / "imagerl-cache"))
+
+
+def tiny_config(checkpoint: Path, run_dir: Path, *overrides: str):
+    """The quickstart recipe on the given checkpoint, smaller: 2 prompts x 2 samples, batch 2."""
+    from imagerl.config import load_config
+
+    base = [f"model.path={checkpoint}", "sample.height=64", "sample.width=64", "sample.prompts_per_rollout=2",
+            "sample.group_size=2", "sample.batch_size=2", "train.num_rollouts=2", "run.tensorboard=false",
+            "run.image_grid_every=0", f"run.output_dir={run_dir}"]
+    return load_config("quickstart", base + list(overrides))

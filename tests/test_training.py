@@ -1,0 +1,132 @@
+"""The training loop on the tiny checkpoint: exact on-policy replay, PPO signs, metrics, resume."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from imagerl.algorithms.flow_grpo import _step_log_prob, kl_to_reference, ppo_clip_loss
+from imagerl.components import load_adapter
+from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+from imagerl.distributed.parallel import World
+from imagerl.rollout import generate
+from imagerl.sampling import sde_window
+from imagerl.train import train
+
+REQUIRED_METRICS = [
+    "rollout/reward/raw_mean", "rollout/reward/raw_std", "rollout/zero_std_ratio", "train/loss", "train/policy_loss",
+    "train/kl_loss", "train/clipfrac", "train/approx_kl", "train/ratio_abs_minus_1", "train/log_prob_mean_abs_diff",
+    "train/grad_norm", "time/rollout_s", "time/reward_s", "time/train_s", "memory/host_peak_rss_gib",
+]
+
+
+def _records(run_dir):
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rollout(cfg, step=0):
+    world = World(0, 1, torch.device("cpu"))
+    adapter = load_adapter(cfg, world)
+    groups = GroupSampler(load_prompt_set(bundled_prompt_file()), cfg.sample.prompts_per_rollout, cfg.run.seed).groups_for(step)
+    window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range), cfg.sample.sde_window_start,
+                        seed=cfg.run.seed, rollout_step=step)
+    return adapter, generate(adapter, groups, cfg, step, window)
+
+
+def test_frozen_weights_replay_rollout_log_probs_exactly(tiny_checkpoint, tmp_path):
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.group_size=3", "sample.batch_size=3",
+                      "train.num_optimizer_steps=1")
+    adapter, rollout = _rollout(cfg)
+    assert rollout.log_probs_BS.shape == (6, 2) and torch.isfinite(rollout.log_probs_BS).all()
+    assert rollout.latents_BSNC.dtype == torch.float32
+    adapter.transformer.train()
+    for batch in rollout.batches():
+        cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
+        for j in range(2):
+            out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)  # with grad, as in training
+            assert torch.equal(out.log_prob, rollout.log_probs_BS[batch, j])
+            with torch.no_grad(), adapter.lora_disabled():  # fresh LoRA (B = 0) is the reference policy
+                ref = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
+            assert torch.equal(kl_to_reference(out.mean, ref.mean, out.std_dev_t), torch.zeros(3))
+
+
+def test_training_run_with_lr_zero_has_ratio_exactly_one(tiny_checkpoint, tmp_path):
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "train.lr=0", "train.num_rollouts=1")
+    train(cfg)
+    (record,) = _records(tmp_path)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0
+    assert record["train/ratio_abs_minus_1"] == 0.0  # both optimizer steps: weights never change
+    assert record["train/approx_kl"] == 0.0 and record["train/clipfrac"] == 0.0
+
+
+def test_three_rollout_run_writes_every_metric_and_artifact(tiny_checkpoint, tmp_path):
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "train.num_rollouts=3", "run.tensorboard=true",
+                      "run.image_grid_every=2", "run.checkpoint_every=2", "train.beta=0.01")
+    train(cfg)
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        missing = [k for k in REQUIRED_METRICS if k not in r]
+        assert not missing, missing
+        assert r["train/log_prob_mean_abs_diff"] == 0.0  # the first optimizer step is on-policy
+        assert r["train/grad_norm"] > 0
+    assert all(r["train/kl_loss"] > 0.0 for r in records)  # beta > 0 and the policy moved off the reference
+    assert records[-1]["train/ratio_abs_minus_1"] > 0.0  # the second optimizer step is off-policy
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "images" / "rollout_000001.png").is_file() and (tmp_path / "images" / "rollout_000002.png").is_file()
+    assert (tmp_path / "reward_curve.png").is_file() and (tmp_path / "config.yaml").is_file()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+def _lora(run_dir, step):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "lora" / "adapter_model.safetensors")
+
+
+def test_resume_equals_uninterrupted_run_bit_for_bit(tiny_checkpoint, tmp_path):
+    common = ["train.num_rollouts=4", "run.checkpoint_every=2", "sample.sde_window_start=random",
+              "sample.sde_window_range=[1,6]"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(tiny_config(tiny_checkpoint, straight, *common))
+    train(tiny_config(tiny_checkpoint, resumed, *common, "train.num_rollouts=2"))
+    train(tiny_config(tiny_checkpoint, resumed, *common), resume="latest")
+    a, b = _lora(straight, 4), _lora(resumed, 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], _lora(straight, 2)[k]) for k in a)  # training did move the weights
+    ra, rb = _records(straight), _records(resumed)
+    assert [r["step"] for r in rb] == [1, 2, 3, 4]
+    for x, y in zip(ra, rb):
+        assert {k: v for k, v in x.items() if k.startswith(("rollout/", "train/"))} == \
+               {k: v for k, v in y.items() if k.startswith(("rollout/", "train/"))}
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_ppo_clip_gradient_signs(adv):
+    eps = 0.1
+    old = torch.zeros(4)
+    # ratios: inside the clip range, above it, below it, exactly 1
+    new = torch.log(torch.tensor([1.05, 1.5, 0.5, 1.0])).requires_grad_(True)
+    loss, ratio = ppo_clip_loss(new, old, torch.full((4,), adv), eps, adv_clip_max=5.0)
+    loss.sum().backward()
+    g = new.grad
+    # minimising -A*ratio: A > 0 pushes log-probs up (negative gradient) unless already clipped above 1+eps
+    if adv > 0:
+        assert g[0] < 0 and g[3] < 0 and g[1] == 0 and g[2] < 0
+    else:
+        assert g[0] > 0 and g[3] > 0 and g[2] == 0 and g[1] > 0
+    assert torch.allclose(ratio, torch.tensor([1.05, 1.5, 0.5, 1.0]))
+
+
+def test_ppo_advantages_are_clipped():
+    loss, _ = ppo_clip_loss(torch.zeros(2), torch.zeros(2), torch.tensor([100.0, -100.0]), 1e-4, adv_clip_max=5.0)
+    assert torch.equal(loss, torch.tensor([-5.0, 5.0]))
+
+
+def test_kl_to_reference_formula():
+    torch.manual_seed(0)
+    mean, ref = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
+    std = torch.tensor(0.7)
+    expected = torch.stack([((mean[i] - ref[i]) ** 2).mean() / (2 * 0.7**2) for i in range(3)])
+    assert torch.allclose(kl_to_reference(mean, ref, std), expected)
