@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -136,6 +137,8 @@ def _check_type(key: str, value, hint):
     origin = typing.get_origin(hint)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string, in recipe files and overrides alike
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
@@ -219,18 +222,11 @@ def load_config(recipe: str = "quickstart", overrides: list[str] = ()) -> Config
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r}: cannot parse value: {e}") from e
-        if isinstance(value, str) and _looks_numeric(raw):
-            value = float(raw)  # YAML 1.1 reads "1e-4" as a string
         _set(cfg, key.strip(), value)
     return cfg
 
 
-def _looks_numeric(raw: str) -> bool:
-    try:
-        float(raw)
-        return True
-    except ValueError:
-        return False
+_DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def save_config(cfg: Config, path: Path) -> None:
@@ -260,7 +256,7 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         "sample.prompts_per_rollout": s.prompts_per_rollout, "sample.group_size": s.group_size,
         "sample.batch_size": s.batch_size, "train.num_rollouts": t.num_rollouts,
         "train.num_optimizer_steps": t.num_optimizer_steps, "model.lora_rank": cfg.model.lora_rank,
-        "sample.max_sequence_length": s.max_sequence_length,
+        "sample.max_sequence_length": s.max_sequence_length, "run.checkpoint_every": cfg.run.checkpoint_every,
     }
     for key, value in positive.items():
         if value < 1:
