@@ -9,7 +9,7 @@ from conftest import tiny_config
 from imagerl.algorithms.flow_grpo import _step_log_prob, kl_to_reference, ppo_clip_loss
 from imagerl.components import load_adapter
 from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
-from imagerl.distributed.parallel import World
+from imagerl.distributed.parallel import World, resolve_device
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window
 from imagerl.train import train
@@ -26,7 +26,7 @@ def _records(run_dir):
 
 
 def _rollout(cfg, step=0):
-    world = World(0, 1, torch.device("cpu"))
+    world = World(0, 1, resolve_device(cfg.model.device))
     adapter = load_adapter(cfg, world)
     groups = GroupSampler(load_prompt_set(bundled_prompt_file()), cfg.sample.prompts_per_rollout, cfg.run.seed).groups_for(step)
     window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range), cfg.sample.sde_window_start,

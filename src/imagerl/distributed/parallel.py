@@ -58,7 +58,10 @@ class World:
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise ValueError(f"model.device={spec!r} is not a device; use auto, cpu, cuda or cuda:N") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"model.device={spec!r} but CUDA is not available; use model.device=cpu")
     return device

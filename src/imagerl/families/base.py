@@ -134,6 +134,7 @@ class FamilyAdapter:
             self.transformer.enable_adapters()
 
     def autocast(self):
-        if self.device.type == "cuda" and self.dtype != torch.float32:
-            return torch.autocast("cuda", dtype=self.dtype)
+        """bf16 forward over fp32 LoRA weights (and fp32 latents) when the model dtype is not fp32."""
+        if self.dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.dtype)
         return contextlib.nullcontext()

@@ -28,6 +28,8 @@ def resolve_family(path: str | Path, family: str = "auto") -> type:
         if family not in FAMILIES:
             raise ValueError(f"unknown model.family {family!r}; available: {', '.join(sorted(FAMILIES))}")
         return FAMILIES[family]
+    if not Path(path).is_dir():
+        raise ValueError(f"model.path={str(path)!r} is not a directory; point it at a local diffusers-format checkpoint")
     index = Path(path) / "model_index.json"
     if index.is_file():
         try:

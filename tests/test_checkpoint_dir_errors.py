@@ -1,0 +1,264 @@
+"""Bad checkpoint directories, prompt files and command lines, as a user would hit them: clear errors, fast."""
+
+import json
+import re
+import shutil
+import time
+
+import pytest
+import torch
+
+import imagerl.train
+from imagerl.cli import main
+from imagerl.families.qwen_image import QwenImageFamily
+from imagerl.families.registry import FAMILIES, resolve_family
+from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # "ckpt"/"tiny": no family name pattern in the path, so resolution must come from model_index.json
+    return make_tiny_qwen_image(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def broken_copy(tiny, tmp_path, name="broken"):
+    dst = tmp_path / name
+    shutil.copytree(tiny, dst)
+    return dst
+
+
+def load(path):
+    return QwenImageFamily(path, torch.device("cpu"), torch.float32)
+
+
+# ---------------------------------------------------------------- QwenImageFamily on bad directories
+
+
+def test_the_intact_copy_loads(tiny, tmp_path):
+    """Control for the cases below: copying alone breaks nothing."""
+    adapter = load(broken_copy(tiny, tmp_path))
+    assert adapter.transformer.config.in_channels == 16
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match=r"model\.path='.*does-not-exist' is not a directory"):
+        load(tmp_path / "does-not-exist")
+
+
+def test_a_file_is_not_a_checkpoint_directory(tmp_path):
+    f = tmp_path / "weights.safetensors"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"is not a directory"):
+        load(f)
+
+
+def test_directory_without_model_index(tmp_path):
+    with pytest.raises(ValueError, match=r"has no model_index\.json: not a diffusers-format checkpoint"):
+        load(tmp_path)
+
+
+def test_model_index_with_invalid_json(tiny, tmp_path):
+    path = broken_copy(tiny, tmp_path)
+    (path / "model_index.json").write_text('{"_class_name": "QwenImagePipeline",')
+    with pytest.raises(ValueError, match=r"model_index\.json is not valid JSON"):
+        load(path)
+
+
+def test_model_index_with_the_wrong_transformer_class(tiny, tmp_path):
+    path = broken_copy(tiny, tmp_path)
+    index = json.loads((path / "model_index.json").read_text())
+    index["transformer"] = ["diffusers", "FluxTransformer2DModel"]
+    (path / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"component 'transformer' is FluxTransformer2DModel, expected "
+                                         r"QwenImageTransformer2DModel; wrong model\.family\?"):
+        load(path)
+
+
+def test_model_index_without_a_vae_entry(tiny, tmp_path):
+    path = broken_copy(tiny, tmp_path)
+    index = json.loads((path / "model_index.json").read_text())
+    del index["vae"]
+    (path / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"lists no 'vae' component \(needed: AutoencoderKLQwenImage\)"):
+        load(path)
+
+
+@pytest.mark.parametrize("folder", ["vae", "transformer", "text_encoder", "tokenizer"])
+def test_checkpoint_missing_a_component_folder(tiny, tmp_path, folder):
+    path = broken_copy(tiny, tmp_path)
+    shutil.rmtree(path / folder)
+    with pytest.raises(ValueError, match=rf"lacks the {folder}/ folder"):
+        load(path)
+
+
+def test_checkpoint_missing_the_scheduler_config(tiny, tmp_path):
+    path = broken_copy(tiny, tmp_path)
+    (path / "scheduler" / "scheduler_config.json").unlink()
+    with pytest.raises(ValueError, match=r"checkpoint lacks .*scheduler_config\.json"):
+        load(path)
+
+
+# ---------------------------------------------------------------- family resolution
+
+
+def test_resolve_explicit_family(tmp_path):
+    assert resolve_family(tmp_path, "qwen_image") is QwenImageFamily  # explicit wins, nothing is read
+
+
+def test_resolve_from_model_index(tiny):
+    assert "qwen" not in str(tiny).lower()
+    assert resolve_family(tiny) is QwenImageFamily
+
+
+def test_resolve_from_the_directory_name(tmp_path):
+    path = tmp_path / "Qwen-Image-local"
+    path.mkdir()
+    assert resolve_family(path) is QwenImageFamily
+
+
+@pytest.mark.parametrize("name", ["my-model", "Qwen-Image"])
+def test_resolve_on_a_missing_directory_says_so(tmp_path, name):
+    """Not "set model.family": that advice would not help with a mistyped path."""
+    with pytest.raises(ValueError, match=rf"model\.path='.*{name}' is not a directory"):
+        resolve_family(tmp_path / name)
+
+
+def test_unknown_explicit_family_lists_the_known_ones(tiny):
+    with pytest.raises(ValueError, match=r"unknown model\.family 'flux'; available: qwen_image"):
+        resolve_family(tiny, "flux")
+
+
+@pytest.mark.parametrize("index", [None, '{"_class_name": "FluxPipeline"}', "not json"])
+def test_unrecognisable_directory_says_to_set_the_family(tmp_path, index):
+    path = tmp_path / "mystery-model"
+    path.mkdir()
+    if index is not None:
+        (path / "model_index.json").write_text(index)
+    with pytest.raises(ValueError, match=r"cannot tell the model family of .*mystery-model; set model\.family to one "
+                                         r"of qwen_image"):
+        resolve_family(path)
+
+
+def test_registry_holds_the_qwen_image_family():
+    resolve_family("unused", "qwen_image")  # imports the built-in families
+    assert FAMILIES["qwen_image"] is QwenImageFamily
+    assert QwenImageFamily.pipeline_class_name == "QwenImagePipeline"
+
+
+# ---------------------------------------------------------------- the command line fails fast
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """The CLI errors below must be raised before any model is loaded."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the error was reported")
+
+    monkeypatch.setattr(imagerl.train, "load_adapter", refuse)
+
+
+def run_cli(argv, capsys):
+    start = time.perf_counter()
+    code = main(argv)
+    elapsed = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    assert elapsed < 5, f"{argv} took {elapsed:.1f} s"
+    return code, out, err
+
+
+def test_cli_missing_prompt_file(tmp_path, capsys, no_model_load):
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(["train", "data.train_prompts=/nonexistent.txt", "--output-dir", str(run_dir)], capsys)
+    assert code == 2
+    assert err.startswith("imagerl: error: ")
+    assert "/nonexistent.txt" in err and "does not exist" in err
+    assert not run_dir.exists()  # nothing written for a run that never started
+
+
+@pytest.mark.parametrize("content, name, match", [
+    ("", "empty.txt", "contains no prompts"),
+    ("\n  \n", "blank.txt", "contains no prompts"),
+    ('{"prompt": "a cat"}\n{"prompt": \n', "bad.jsonl", r"bad\.jsonl:2: not valid JSON"),
+    ('{"prompt": "a cat"}\n{"text": "a dog"}\n', "nofield.jsonl", r'nofield\.jsonl:2: each line must be a JSON object '
+                                                                   r'with a non-empty "prompt" string'),
+    ("a cat\n", "prompts.csv", r"unknown extension '\.csv'"),
+    (b"\xff\xfe\x00a cat", "latin.txt", "is not UTF-8 text"),
+])
+def test_cli_bad_prompt_files(tmp_path, capsys, no_model_load, content, name, match):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    code, _, err = run_cli(["train", f"data.train_prompts={path}", "--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert re.search(match, err), err
+    assert str(path) in err
+
+
+def test_cli_bad_override_value(tmp_path, capsys, no_model_load):
+    code, _, err = run_cli(["train", "train.lr=abc", "--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "train.lr: expected float, got 'abc'" in err
+
+
+def test_cli_unknown_key_suggests(tmp_path, capsys, no_model_load):
+    code, _, err = run_cli(["train", "sample.group_sise=4", "--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "did you mean sample.group_size?" in err
+
+
+def test_cli_inconsistent_batch_sizes(tmp_path, capsys, no_model_load):
+    code, _, err = run_cli(["train", "sample.batch_size=3", "--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "not a multiple of sample.batch_size=3" in err
+
+
+def test_cli_unknown_reward(tmp_path, capsys, no_model_load):
+    code, _, err = run_cli(["train", "reward.weights={aesthetic: 1.0}", "--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "unknown reward(s) ['aesthetic']" in err and "jpeg_compressibility" in err
+
+
+def test_cli_missing_model_directory(tmp_path, capsys):
+    code, _, err = run_cli(["train", f"model.path={tmp_path / 'models' / 'mine'}", "--output-dir",
+                            str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert f"model.path='{tmp_path / 'models' / 'mine'}' is not a directory" in err
+
+
+def test_cli_bad_device_name(tmp_path, capsys, no_model_load):
+    code, _, err = run_cli(["train", "model.device=gpu", "--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "model.device='gpu' is not a device" in err
+
+
+def test_cli_unknown_recipe(capsys, no_model_load):
+    code, _, err = run_cli(["train", "--recipe", "nope"], capsys)
+    assert code == 2
+    assert "unknown recipe 'nope'" in err
+
+
+def test_cli_lists_recipes(capsys):
+    code, out, _ = run_cli(["recipes"], capsys)
+    assert code == 0
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    assert "quickstart" in names and "qwen_image_jpeg" in names
+
+
+@pytest.mark.parametrize("resume", ["dir", "latest"])
+def test_cli_resume_without_a_checkpoint(tmp_path, capsys, no_model_load, resume):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run_dir = tmp_path / "run"
+    arg = str(empty) if resume == "dir" else "latest"
+    code, _, err = run_cli(["train", "--resume", arg, "--output-dir", str(run_dir)], capsys)
+    assert code == 2
+    assert "no checkpoint found" in err and f"--resume {arg}" in err
+    assert not run_dir.exists()
+
+
+def test_cli_resume_from_a_missing_directory(tmp_path, capsys, no_model_load):
+    code, _, err = run_cli(["train", "--resume", str(tmp_path / "gone"), "--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "no checkpoint found" in err
