@@ -64,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from imagerl.rewards import RewardError
+
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileExistsError) as e:
+    except (ValueError, FileExistsError, RewardError) as e:
         print(f"imagerl: error: {e}", file=sys.stderr)
         return 2
 

@@ -9,6 +9,7 @@ types are errors that name the key and suggest the closest valid one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import re
 import typing
@@ -219,7 +220,7 @@ def load_config(recipe: str = "quickstart", overrides: list[str] = ()) -> Config
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.safe_load(raw) if raw.strip() else raw  # "sample.negative_prompt= " keeps the space
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r}: cannot parse value: {e}") from e
         _set(cfg, key.strip(), value)
@@ -272,9 +273,12 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
     for key, value in {"train.lr": t.lr, "train.clip_range": t.clip_range, "train.beta": t.beta,
                        "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm,
-                       "train.adv_clip_max": t.adv_clip_max}.items():
-        if value < 0:
-            raise ValueError(f"{key} must be >= 0, got {value}")
+                       "train.adv_clip_max": t.adv_clip_max, "sample.noise_level": s.noise_level,
+                       "sample.guidance_scale": s.guidance_scale, "train.adam_eps": t.adam_eps}.items():
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{key} must be a finite number >= 0, got {value}")
+    if cfg.model.lora_init not in ("gaussian", "default"):
+        raise ValueError(f"model.lora_init must be 'gaussian' or 'default', got {cfg.model.lora_init!r}")
     if not cfg.reward.weights:
         raise ValueError("reward.weights is empty: name at least one reward, e.g. reward.weights={jpeg_compressibility: 1.0}")
     if cfg.reward.on_nan not in ("error", "drop"):

@@ -81,6 +81,15 @@ def check_components(path: Path, index: dict, expected: dict[str, str]) -> None:
             raise ValueError(f"{path} lacks the {name}/ folder listed in model_index.json")
 
 
+@contextlib.contextmanager
+def loading(path: Path, component: str):
+    """Turn a library's load failure (missing weights, bad config) into a ValueError naming the component."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot load {component} from {path / component}: {type(e).__name__}: {e}") from e
+
+
 class FamilyAdapter:
     """Base class; see families/qwen_image.py for the contract of each method."""
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from imagerl.families.base import Conditioning, FamilyAdapter, PromptCache, check_components, read_model_index
+from imagerl.families.base import (Conditioning, FamilyAdapter, PromptCache, check_components, loading,
+                                   read_model_index)
 from imagerl.families.registry import register_family
 
 PROMPT_TEMPLATE = (
@@ -81,13 +82,17 @@ class QwenImageFamily(FamilyAdapter):
             raise ValueError(f"{path} lacks the tokenizer/ folder of a Qwen-Image checkpoint")
         self.path, self.device, self.dtype = path, torch.device(device), dtype
         self.scheduler_config = _read_json(path / "scheduler" / "scheduler_config.json")
-        self.transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+        with loading(path, "transformer"):
+            self.transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
         self.transformer.to(self.device).requires_grad_(False)
-        self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+        with loading(path, "vae"):
+            self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
         self.vae.to(self.device).eval().requires_grad_(False)
-        self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
+        with loading(path, "text_encoder"):
+            self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
         self.text_encoder.to(self.device).eval().requires_grad_(False)
-        self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        with loading(path, "tokenizer"):
+            self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)  # 8
         self.latent_channels = self.transformer.config.in_channels // 4  # 16 (tiny: 4)
         self.prompt_cache = PromptCache(prompt_cache_size)
