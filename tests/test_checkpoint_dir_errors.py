@@ -12,13 +12,12 @@ import imagerl.train
 from imagerl.cli import main
 from imagerl.families.qwen_image import QwenImageFamily
 from imagerl.families.registry import FAMILIES, resolve_family
-from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    # "ckpt"/"tiny": no family name pattern in the path, so resolution must come from model_index.json
-    return make_tiny_qwen_image(tmp_path_factory.mktemp("ckpt") / "tiny")
+def tiny(tiny_checkpoint):
+    """The session's tiny checkpoint (conftest.py)."""
+    return tiny_checkpoint
 
 
 def broken_copy(tiny, tmp_path, name="broken"):
@@ -105,9 +104,10 @@ def test_resolve_explicit_family(tmp_path):
     assert resolve_family(tmp_path, "qwen_image") is QwenImageFamily  # explicit wins, nothing is read
 
 
-def test_resolve_from_model_index(tiny):
-    assert "qwen" not in str(tiny).lower()
-    assert resolve_family(tiny) is QwenImageFamily
+def test_resolve_from_model_index(tiny, tmp_path):
+    neutral = tmp_path / "my-model"  # the name gives no hint: model_index.json must decide
+    shutil.copytree(tiny, neutral)
+    assert resolve_family(neutral) is QwenImageFamily
 
 
 def test_resolve_from_the_directory_name(tmp_path):

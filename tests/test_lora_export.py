@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 
 from imagerl.checkpoint import PEFT_PREFIX, save_lora
 from imagerl.families.qwen_image import QwenImageFamily
-from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
 
 RANK, ALPHA = 4, 8
 TARGETS = {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -21,8 +20,9 @@ TARGETS = {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_qwen_image(tmp_path_factory.mktemp("ckpt") / "tiny")
+def tiny(tiny_checkpoint):
+    """The session's tiny checkpoint (conftest.py)."""
+    return tiny_checkpoint
 
 
 def new_adapter(tiny):
