@@ -25,7 +25,7 @@ def tiny_config(checkpoint: Path, run_dir: Path, *overrides: str):
     """The quickstart recipe on the given checkpoint, smaller: 2 prompts x 2 samples, batch 2."""
     from imagerl.config import load_config
 
-    base = [f"model.path={checkpoint}", "sample.height=64", "sample.width=64", "sample.prompts_per_rollout=2",
+    base = [f"model.path={checkpoint}", "model.device=cpu", "sample.height=64", "sample.width=64", "sample.prompts_per_rollout=2",
             "sample.group_size=2", "sample.batch_size=2", "train.num_rollouts=2", "run.tensorboard=false",
             "run.image_grid_every=0", f"run.output_dir={run_dir}"]
     return load_config("quickstart", base + list(overrides))
