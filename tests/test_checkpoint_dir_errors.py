@@ -27,7 +27,7 @@ def broken_copy(tiny, tmp_path, name="broken"):
 
 
 def load(path):
-    return QwenImageFamily(path, torch.device("cpu"), torch.float32)
+    return QwenImageFamily.from_pretrained(path, torch.device("cpu"), torch.float32)
 
 
 # ---------------------------------------------------------------- QwenImageFamily on bad directories

@@ -26,7 +26,7 @@ def tiny(tiny_checkpoint):
 
 
 def new_adapter(tiny):
-    return QwenImageFamily(tiny, torch.device("cpu"), torch.float32)
+    return QwenImageFamily.from_pretrained(tiny, torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="module")

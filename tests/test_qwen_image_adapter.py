@@ -13,7 +13,7 @@ PROMPTS = ['A neon sign that says "OPEN" above a bakery door', "a cat"]
 
 @pytest.fixture(scope="module")
 def adapter(tiny_checkpoint):
-    return QwenImageFamily(tiny_checkpoint, torch.device("cpu"), torch.float32)
+    return QwenImageFamily.from_pretrained(tiny_checkpoint, torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ def load_adapter(cfg: Config, world: World):
 
     path = resolve_model_path(cfg.model.path, world)
     family = resolve_family(path, cfg.model.family)
-    adapter = family(path, world.device, resolve_dtype(cfg.model.dtype, world.device), cfg.model.prompt_cache_size)
+    adapter = family.from_pretrained(path, world.device, resolve_dtype(cfg.model.dtype, world.device), cfg.model.prompt_cache_size)
     torch.manual_seed(cfg.run.seed)  # LoRA init (gaussian A) is the only draw from the global RNG
     adapter.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha,
                      True if cfg.model.lora_init == "default" else cfg.model.lora_init,

@@ -19,7 +19,7 @@ from imagerl.config import Config
 from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
 from imagerl.families.base import Conditioning
-from imagerl.sampling import SDEWindow, flow_sde_step, flow_sigmas, flow_timesteps
+from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
 
 
 @dataclass
@@ -77,7 +77,7 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     negative = adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0] if s.guidance_scale > 1 else None
 
     h, w = s.height, s.width
-    sigmas = flow_sigmas(s.num_steps, adapter.image_seq_len(h, w), adapter.scheduler_config).to(adapter.device)
+    sigmas = adapter.sigmas(s.num_steps, h, w)
     timesteps = flow_timesteps(sigmas, adapter.scheduler_config)
     if initial_noise_BNC is None:
         initial_noise_BNC = torch.cat(_noise(seed, "init_noise", rollout_step, sample_ids_B,

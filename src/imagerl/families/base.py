@@ -69,6 +69,15 @@ def read_model_index(path: Path) -> dict:
         raise ValueError(f"{index} is not valid JSON: {e}") from e
 
 
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"checkpoint lacks {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
 def check_components(path: Path, index: dict, expected: dict[str, str]) -> None:
     """Each expected component must be listed with the expected class and have its folder."""
     for name, cls in expected.items():
@@ -101,6 +110,16 @@ class FamilyAdapter:
     transformer: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
+
+    scheduler_config: dict
+    raw_sigmas: list[float] | None = None  # a checkpoint's fixed sigma grid (e.g. 2.1 Turbo's sample_sigmas)
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """num_steps + 1 float32 sigmas on the device, as the family's diffusers pipeline computes them."""
+        from imagerl.sampling import flow_sigmas
+
+        return flow_sigmas(num_steps, self.image_seq_len(height, width), self.scheduler_config,
+                           raw_sigmas=self.raw_sigmas).to(self.device)
 
     # --- LoRA -----------------------------------------------------------------------------------
 

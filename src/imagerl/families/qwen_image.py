@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from imagerl.families.base import (Conditioning, FamilyAdapter, PromptCache, check_components, loading,
-                                   read_model_index)
+                                   read_json, read_model_index)
 from imagerl.families.registry import register_family
 
 PROMPT_TEMPLATE = (
@@ -71,31 +71,40 @@ class QwenImageFamily(FamilyAdapter):
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
 
-    def __init__(self, path: str | Path, device: torch.device, dtype: torch.dtype, prompt_cache_size: int = 4096):
+    def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, device: torch.device,
+                 dtype: torch.dtype, prompt_cache_size: int = 4096):
+        """From loaded components (see from_pretrained); moves them to `device`, frozen."""
+        self.device, self.dtype = torch.device(device), dtype
+        self.scheduler_config = dict(scheduler_config)
+        self.transformer = transformer.to(self.device).requires_grad_(False)
+        rebuild_rope_tables(self.transformer, self.device)
+        self.vae = vae.to(self.device).eval().requires_grad_(False)
+        self.text_encoder = text_encoder.to(self.device).eval().requires_grad_(False) if text_encoder is not None else None
+        self.tokenizer = tokenizer
+        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)  # 8
+        self.latent_channels = self.transformer.config.in_channels // 4  # 16 (tiny: 4)
+        self.prompt_cache = PromptCache(prompt_cache_size)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device, dtype: torch.dtype, prompt_cache_size: int = 4096):
+        """Load a local diffusers-format Qwen-Image directory (transformer/text encoder in `dtype`, VAE in fp32)."""
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
         path = Path(path)
-        index = read_model_index(path)
-        check_components(path, index, COMPONENTS)
+        check_components(path, read_model_index(path), COMPONENTS)
         if not (path / "tokenizer").is_dir():
             raise ValueError(f"{path} lacks the tokenizer/ folder of a Qwen-Image checkpoint")
-        self.path, self.device, self.dtype = path, torch.device(device), dtype
-        self.scheduler_config = _read_json(path / "scheduler" / "scheduler_config.json")
+        scheduler_config = read_json(path / "scheduler" / "scheduler_config.json")
         with loading(path, "transformer"):
-            self.transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        self.transformer.to(self.device).requires_grad_(False)
+            transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
         with loading(path, "vae"):
-            self.vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
-        self.vae.to(self.device).eval().requires_grad_(False)
+            vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
         with loading(path, "text_encoder"):
-            self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
-        self.text_encoder.to(self.device).eval().requires_grad_(False)
+            text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
         with loading(path, "tokenizer"):
-            self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)  # 8
-        self.latent_channels = self.transformer.config.in_channels // 4  # 16 (tiny: 4)
-        self.prompt_cache = PromptCache(prompt_cache_size)
+            tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        return cls(transformer, vae, text_encoder, tokenizer, scheduler_config, device, dtype, prompt_cache_size)
 
     # --- geometry ------------------------------------------------------------------------------
 
@@ -127,7 +136,11 @@ class QwenImageFamily(FamilyAdapter):
                 texts, max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_DROP_TOKENS, padding=True, truncation=True,
                 return_tensors="pt",
             ).to(self.device)
-            hidden = self.text_encoder(
+            # The inner Qwen2_5_VLModel: same hidden states as the pipeline's ForConditionalGeneration call,
+            # without the lm_head's (L x 152k) vocabulary logits. hidden_states[-1] is what the pipeline
+            # uses: with transformers 5.x it is the output after the final RMSNorm (== last_hidden_state);
+            # tests/test_qwen_image_adapter.py checks equality with QwenImagePipeline.encode_prompt.
+            hidden = self.text_encoder.model(
                 input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
             ).hidden_states[-1]
             for row, mask in zip(hidden, tokens.attention_mask.bool()):
@@ -183,9 +196,17 @@ class QwenImageFamily(FamilyAdapter):
         return (image / 2 + 0.5).clamp(0, 1).float()
 
 
-def _read_json(path: Path) -> dict:
-    import json
-
-    if not path.is_file():
-        raise ValueError(f"checkpoint lacks {path}")
-    return json.loads(path.read_text())
+def rebuild_rope_tables(transformer, device: torch.device) -> None:
+    """Build QwenEmbedRope's complex tables on the compute device (diffusers builds them on the CPU in
+    __init__ and copies them; a CUDA build differs by float32 ULPs, which miles measured drifting the
+    frozen-weight prediction by ~2e-2). Uses diffusers' own rope_params under the device context."""
+    rope = transformer.pos_embed
+    with torch.device(device):
+        pos = torch.arange(4096)
+        neg = torch.arange(4096).flip(0) * -1 - 1
+        rope.pos_freqs = torch.cat([rope.rope_params(pos, d, rope.theta) for d in rope.axes_dim], dim=1)
+        rope.neg_freqs = torch.cat([rope.rope_params(neg, d, rope.theta) for d in rope.axes_dim], dim=1)
+    for cached in ("_get_device_freqs", "_compute_video_freqs"):
+        clear = getattr(getattr(rope, cached, None), "cache_clear", None)
+        if clear is not None:
+            clear()

@@ -31,14 +31,22 @@ def calculate_shift(image_seq_len: int, scheduler_config: Mapping) -> float:
     return image_seq_len * m + b
 
 
-def flow_sigmas(num_steps: int, image_seq_len: int, scheduler_config: Mapping) -> torch.Tensor:
-    """num_steps + 1 float32 sigmas from 1 down to 0 (last is 0), identical to diffusers' Qwen pipelines."""
+def flow_sigmas(num_steps: int, image_seq_len: int, scheduler_config: Mapping,
+                raw_sigmas: list[float] | None = None) -> torch.Tensor:
+    """num_steps + 1 float32 sigmas from 1 down to 0 (last is 0), identical to diffusers' Qwen pipelines.
+
+    raw_sigmas: a fixed grid that replaces linspace(1, 1/N, N) before shifting (QwenImage21Pipeline's
+    `sample_sigmas` config); its length must equal num_steps.
+    """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if raw_sigmas is not None and len(raw_sigmas) != num_steps:
+        raise ValueError(f"this checkpoint fixes {len(raw_sigmas)} sampling steps (sample_sigmas); set sample.num_steps={len(raw_sigmas)}")
     for key in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas"):
         if scheduler_config.get(key):
             raise ValueError(f"scheduler config sets {key}=True, which the Qwen-Image pipelines do not use")
-    sigmas = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
+    grid = np.linspace(1.0, 1 / num_steps, num_steps) if raw_sigmas is None else raw_sigmas
+    sigmas = np.array(grid).astype(np.float32)
     if scheduler_config.get("use_dynamic_shifting", False):
         mu = calculate_shift(image_seq_len, scheduler_config)
         if scheduler_config.get("time_shift_type", "exponential") == "exponential":
