@@ -11,7 +11,7 @@ import torch
 import imagerl.train
 from imagerl.cli import main
 from imagerl.families.qwen_image import QwenImageFamily
-from imagerl.families.registry import FAMILIES, resolve_family
+from imagerl.families.registry import FAMILIES, family_class, resolve_family
 
 
 @pytest.fixture(scope="module")
@@ -101,30 +101,32 @@ def test_checkpoint_missing_the_scheduler_config(tiny, tmp_path):
 
 
 def test_resolve_explicit_family(tmp_path):
-    assert resolve_family(tmp_path, "qwen_image") is QwenImageFamily  # explicit wins, nothing is read
+    assert resolve_family(tmp_path, "qwen_image") == "qwen_image"  # explicit wins, nothing is read
+    assert family_class(tmp_path, "qwen_image") is QwenImageFamily
 
 
 def test_resolve_from_model_index(tiny, tmp_path):
     neutral = tmp_path / "my-model"  # the name gives no hint: model_index.json must decide
     shutil.copytree(tiny, neutral)
-    assert resolve_family(neutral) is QwenImageFamily
+    assert resolve_family(neutral) == "qwen_image"
+    assert family_class(neutral) is QwenImageFamily
 
 
 def test_resolve_from_the_directory_name(tmp_path):
     path = tmp_path / "Qwen-Image-local"
     path.mkdir()
-    assert resolve_family(path) is QwenImageFamily
+    assert resolve_family(path) == "qwen_image"
 
 
 @pytest.mark.parametrize("name", ["my-model", "Qwen-Image"])
-def test_resolve_on_a_missing_directory_says_so(tmp_path, name):
+def test_loading_a_missing_directory_says_so(tmp_path, name):
     """Not "set model.family": that advice would not help with a mistyped path."""
     with pytest.raises(ValueError, match=rf"model\.path='.*{name}' is not a directory"):
-        resolve_family(tmp_path / name)
+        family_class(tmp_path / name)
 
 
 def test_unknown_explicit_family_lists_the_known_ones(tiny):
-    with pytest.raises(ValueError, match=r"unknown model\.family 'flux'; available: qwen_image"):
+    with pytest.raises(ValueError, match=r"unknown family 'flux'; available: qwen_image"):
         resolve_family(tiny, "flux")
 
 
@@ -134,8 +136,8 @@ def test_unrecognisable_directory_says_to_set_the_family(tmp_path, index):
     path.mkdir()
     if index is not None:
         (path / "model_index.json").write_text(index)
-    with pytest.raises(ValueError, match=r"cannot tell the model family of .*mystery-model; set model\.family to one "
-                                         r"of qwen_image"):
+    with pytest.raises(ValueError, match=r"cannot tell the model family of .*mystery-model.*; pass --family \(or "
+                                         r"model\.family=\) with one of: qwen_image"):
         resolve_family(path)
 
 
@@ -143,6 +145,21 @@ def test_registry_holds_the_qwen_image_family():
     resolve_family("unused", "qwen_image")  # imports the built-in families
     assert FAMILIES["qwen_image"] is QwenImageFamily
     assert QwenImageFamily.pipeline_class_name == "QwenImagePipeline"
+
+
+@pytest.mark.parametrize("name, family", [("Qwen/Qwen-Image", "qwen_image"), ("qwen-image", "qwen_image"),
+                                          ("/data/QWEN_IMAGE-finetune", "qwen_image")])
+def test_public_resolve_family_by_name(name, family):
+    import imagerl
+
+    assert imagerl.resolve_family(name) == family
+
+
+def test_public_resolve_family_unknown_name():
+    import imagerl
+
+    with pytest.raises(ValueError, match="--family"):
+        imagerl.resolve_family("stabilityai/stable-diffusion-3.5-medium")
 
 
 # ---------------------------------------------------------------- the command line fails fast

@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_config
 from imagerl.algorithms.flow_grpo import _step_log_prob, kl_to_reference, ppo_clip_loss
-from imagerl.components import load_adapter
+from imagerl.components import load_adapter, resolve_family_defaults
 from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
 from imagerl.distributed.parallel import World, resolve_device
 from imagerl.rollout import generate
@@ -28,6 +28,7 @@ def _records(run_dir):
 def _rollout(cfg, step=0):
     world = World(0, 1, resolve_device(cfg.model.device))
     adapter = load_adapter(cfg, world)
+    resolve_family_defaults(cfg, adapter)
     groups = GroupSampler(load_prompt_set(bundled_prompt_file()), cfg.sample.prompts_per_rollout, cfg.run.seed).groups_for(step)
     window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range), cfg.sample.sde_window_start,
                         seed=cfg.run.seed, rollout_step=step)

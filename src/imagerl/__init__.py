@@ -1,7 +1,8 @@
 """imagerl: online reinforcement learning (Flow-GRPO) for flow-matching text-to-image models."""
 
 from imagerl.algorithms.advantages import group_advantages
+from imagerl.families.registry import resolve_family
 from imagerl.sampling import flow_sde_step, flow_sigmas
 
 __version__ = "0.1.0"
-__all__ = ["flow_sigmas", "flow_sde_step", "group_advantages", "__version__"]
+__all__ = ["flow_sigmas", "flow_sde_step", "group_advantages", "resolve_family", "__version__"]

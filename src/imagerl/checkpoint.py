@@ -31,7 +31,7 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 def save_lora(adapter, directory: Path) -> None:
     """PEFT and diffusers copies of the adapter (with rank/alpha metadata so diffusers scales by alpha/r)."""
-    from diffusers import QwenImagePipeline
+    import diffusers
 
     directory.mkdir(parents=True, exist_ok=True)
     state = adapter.lora_state_dict()
@@ -39,8 +39,8 @@ def save_lora(adapter, directory: Path) -> None:
     adapter.lora_config.save_pretrained(str(directory))
     metadata = adapter.lora_config.to_dict()
     metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-    QwenImagePipeline.save_lora_weights(directory, transformer_lora_layers=state,
-                                        transformer_lora_adapter_metadata=metadata)
+    pipeline = getattr(diffusers, adapter.pipeline_class_name)  # its load_lora_weights reads this file
+    pipeline.save_lora_weights(directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata)
 
 
 def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, keep: int) -> Path:

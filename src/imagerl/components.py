@@ -40,10 +40,10 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
 
 def load_adapter(cfg: Config, world: World):
     """The family adapter with a fresh LoRA (trainable params fp32) on world.device."""
-    from imagerl.families.registry import resolve_family
+    from imagerl.families.registry import family_class
 
     path = resolve_model_path(cfg.model.path, world)
-    family = resolve_family(path, cfg.model.family)
+    family = family_class(path, cfg.model.family)
     adapter = family.from_pretrained(path, world.device, resolve_dtype(cfg.model.dtype, world.device), cfg.model.prompt_cache_size)
     torch.manual_seed(cfg.run.seed)  # LoRA init (gaussian A) is the only draw from the global RNG
     adapter.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha,
@@ -59,3 +59,11 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim
     t = cfg.train
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                              weight_decay=t.weight_decay)
+
+
+def resolve_family_defaults(cfg: Config, adapter) -> None:
+    """Fill settings left to the family (guidance scale) and reject ones it cannot honour."""
+    if cfg.sample.guidance_scale is None:
+        cfg.sample.guidance_scale = adapter.default_guidance_scale
+    if cfg.sample.kv_cache and not adapter.supports_kv_cache:
+        raise ValueError(f"sample.kv_cache=true: the {adapter.name} family has no text prefix KV cache; set it to false")

@@ -54,8 +54,9 @@ class SampleConfig:
     height: int = 512
     width: int = 512
     num_steps: int = 10
-    guidance_scale: float = 4.0
-    """True CFG scale (Qwen-Image: with norm rescale); <= 1 disables CFG. Same value in rollout and training."""
+    guidance_scale: typing.Optional[float] = None
+    """CFG scale, the same in rollout and training; <= 1 disables CFG. None: the family's default
+    (qwen_image 4.0, true CFG with norm rescale; qwen_image21 1.0, no CFG: plain CFG when > 1)."""
     negative_prompt: str = " "
     max_sequence_length: int = 512
     noise_level: float = 1.2
@@ -71,6 +72,9 @@ class SampleConfig:
     """Samples per prompt K (flow_grpo: 16)."""
     batch_size: int = 4
     """Samples per forward per rank (CFG doubles it); training replays the same batches."""
+    kv_cache: bool = False
+    """qwen_image21 only: reuse the text prefix's keys/values across rollout steps (faster rollout). Training
+    always runs the full forward, so in bf16 the on-policy ratio is then no longer bit-exact (fp32: exact)."""
 
 
 @dataclass
@@ -140,6 +144,10 @@ def _check_type(key: str, value, hint):
         return float(value)
     if hint is float and isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
         return float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string, in recipe files and overrides alike
+    if hint is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{key}: expected null, got {value!r}")
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
@@ -274,7 +282,8 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     for key, value in {"train.lr": t.lr, "train.clip_range": t.clip_range, "train.beta": t.beta,
                        "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm,
                        "train.adv_clip_max": t.adv_clip_max, "sample.noise_level": s.noise_level,
-                       "sample.guidance_scale": s.guidance_scale, "train.adam_eps": t.adam_eps}.items():
+                       "sample.guidance_scale": 0.0 if s.guidance_scale is None else s.guidance_scale,
+                       "train.adam_eps": t.adam_eps}.items():
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{key} must be a finite number >= 0, got {value}")
     if cfg.model.lora_init not in ("gaussian", "default"):

@@ -89,7 +89,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     for start in range(0, len(prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)
         n = len(prompts_B[batch])
-        cond = adapter.conditioning(text_B[batch], [negative] * n if negative is not None else None, s.guidance_scale)
+        cond = adapter.conditioning(text_B[batch], [negative] * n if negative is not None else None, s.guidance_scale,
+                                    kv_cache=s.kv_cache)
         x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
         ins, outs, lps = [], [], []
         for i in range(s.num_steps):

@@ -10,7 +10,7 @@ import torch
 from imagerl.algorithms.advantages import rollout_advantages
 from imagerl.algorithms.flow_grpo import flow_grpo_update
 from imagerl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from imagerl.components import load_adapter, make_optimizer
+from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config, validate
 from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
 from imagerl.distributed.parallel import init_world
@@ -29,11 +29,11 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     prompts = load_prompt_set(bundled_prompt_file() if cfg.data.train_prompts == "bundled" else cfg.data.train_prompts)
     run_dir = cfg.output_dir
     resume_from = resolve_resume(resume, run_dir) if resume else None
+    adapter = load_adapter(cfg, world)
+    resolve_family_defaults(cfg, adapter)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
-
-    adapter = load_adapter(cfg, world)
     optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
     scorer = Scorer(cfg.reward.weights, world.device)
     sampler = GroupSampler(prompts, cfg.sample.prompts_per_rollout, cfg.run.seed, world.rank, world.size)

@@ -104,6 +104,8 @@ class FamilyAdapter:
 
     name: str = ""
     name_patterns: tuple[str, ...] = ()
+    default_guidance_scale: float = 1.0
+    supports_kv_cache: bool = False
     lora_target_modules: tuple[str, ...] = ()
     pipeline_class_name: str = ""
 

@@ -65,6 +65,7 @@ class QwenImageFamily(FamilyAdapter):
     name = "qwen_image"
     name_patterns = ("qwen-image", "qwen_image", "qwenimage")
     pipeline_class_name = "QwenImagePipeline"
+    default_guidance_scale = 4.0  # flow_grpo's Qwen-Image recipe (rollout, training and eval)
     # The 12 block Linears of the flow_grpo / miles Qwen-Image recipes (all but img_mod/txt_mod).
     lora_target_modules = (
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -152,8 +153,11 @@ class QwenImageFamily(FamilyAdapter):
         embeds = self.prompt_cache.get_many(prompts, self._encode_uncached)
         return [e[:max_sequence_length] for e in embeds]
 
-    def conditioning(self, cond: list[torch.Tensor], uncond: list[torch.Tensor] | None, guidance_scale: float) -> Conditioning:
-        """Right-pad the rows (cond, then uncond when CFG is on) to one (B', L, D) batch with a key mask."""
+    def conditioning(self, cond: list[torch.Tensor], uncond: list[torch.Tensor] | None, guidance_scale: float,
+                     kv_cache: bool = False) -> Conditioning:
+        """Right-pad the rows (cond, then uncond when CFG is on) to one (B', L, D) batch with a key mask.
+        Padding is exact here: the mask removes padded keys and text RoPE positions do not depend on it."""
+        assert not kv_cache, "qwen_image has no prefix KV cache (train() rejects sample.kv_cache for it)"
         cfg = guidance_scale > 1 and uncond is not None
         rows = list(cond) + (list(uncond) if cfg else [])
         length = max(r.shape[0] for r in rows)

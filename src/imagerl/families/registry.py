@@ -1,8 +1,9 @@
-"""Family registry: name -> adapter class; resolution from a checkpoint (longest name pattern wins).
+"""Family registry: name -> adapter class; resolution from a checkpoint or a model name.
 
-Resolution order: explicit `model.family`; the pipeline class in model_index.json; the checkpoint
-path's name matched against each family's patterns, longest match first (so "Qwen-Image-2.1" would
-pick a 2.1 family over "qwen-image"). No match is an error that says to set model.family.
+Resolution order: explicit `--family` / `model.family`; the pipeline class in a local checkpoint's
+model_index.json (the checkpoint says what it is); the name matched against each family's
+case-insensitive patterns, longest match first ("Qwen/Qwen-Image-2.1" -> qwen_image21, although
+"qwen-image" matches too). No match is an error that lists the families and the override.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 FAMILIES: dict[str, type] = {}
+BUILTIN_FAMILY_MODULES = ("imagerl.families.qwen_image", "imagerl.families.qwen_image21")
 
 
 def register_family(cls):
@@ -19,18 +21,40 @@ def register_family(cls):
 
 
 def _import_builtin() -> None:
-    from imagerl.families import qwen_image  # noqa: F401
+    import importlib
+    import importlib.util
+
+    for module in BUILTIN_FAMILY_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
 
 
-def resolve_family(path: str | Path, family: str = "auto") -> type:
+def _unknown(name: str) -> ValueError:
+    return ValueError(
+        f"cannot tell the model family of {name!r}; pass --family (or model.family=) with one of: "
+        f"{', '.join(sorted(FAMILIES))}"
+    )
+
+
+def family_from_name(name: str) -> str:
+    """Case-insensitive name patterns, longest match wins ('Qwen/Qwen-Image-2.1' -> qwen_image21)."""
+    _import_builtin()
+    lowered = str(name).lower()
+    matches = [(len(p), cls.name) for cls in FAMILIES.values() for p in cls.name_patterns if p in lowered]
+    if not matches:
+        raise _unknown(str(name))
+    return max(matches)[1]
+
+
+def resolve_family(name_or_path: str | Path, family: str = "auto") -> str:
+    """The family name: explicit `family`; else a local checkpoint's model_index.json pipeline class;
+    else the name patterns. ValueError (listing the families and the override) when unknown."""
     _import_builtin()
     if family != "auto":
         if family not in FAMILIES:
-            raise ValueError(f"unknown model.family {family!r}; available: {', '.join(sorted(FAMILIES))}")
-        return FAMILIES[family]
-    if not Path(path).is_dir():
-        raise ValueError(f"model.path={str(path)!r} is not a directory; point it at a local diffusers-format checkpoint")
-    index = Path(path) / "model_index.json"
+            raise ValueError(f"unknown family {family!r}; available: {', '.join(sorted(FAMILIES))}")
+        return family
+    index = Path(name_or_path) / "model_index.json"
     if index.is_file():
         try:
             pipeline = json.loads(index.read_text()).get("_class_name", "")
@@ -38,11 +62,13 @@ def resolve_family(path: str | Path, family: str = "auto") -> type:
             pipeline = ""
         for cls in FAMILIES.values():
             if cls.pipeline_class_name == pipeline:
-                return cls
-    name = str(path).lower()
-    matches = [(len(p), cls) for cls in FAMILIES.values() for p in cls.name_patterns if p in name]
-    if not matches:
-        raise ValueError(
-            f"cannot tell the model family of {path}; set model.family to one of {', '.join(sorted(FAMILIES))}"
-        )
-    return max(matches, key=lambda m: m[0])[1]
+                return cls.name
+    return family_from_name(str(name_or_path))
+
+
+def family_class(path: str | Path, family: str = "auto") -> type:
+    """The adapter class for a local checkpoint directory (checked to exist)."""
+    _import_builtin()
+    if family == "auto" and not Path(path).is_dir():
+        raise ValueError(f"model.path={str(path)!r} is not a directory; point it at a local diffusers-format checkpoint")
+    return FAMILIES[resolve_family(path, family)]
