@@ -35,3 +35,18 @@ def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path):
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in records)
     assert all(r["memory/peak_allocated_gib"] > 0 for r in records)
+
+
+def test_rope_tables_rebuilt_on_gpu_equal_a_gpu_build(tiny_checkpoint):
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+
+    from imagerl.families.qwen_image import QwenImageFamily
+
+    adapter = QwenImageFamily.from_pretrained(tiny_checkpoint, torch.device("cuda"), torch.bfloat16)
+    rope = adapter.transformer.pos_embed
+    with torch.device("cuda"):
+        gpu_built = QwenEmbedRope(theta=rope.theta, axes_dim=list(rope.axes_dim), scale_rope=True)
+    cpu_built = QwenEmbedRope(theta=rope.theta, axes_dim=list(rope.axes_dim), scale_rope=True)
+    assert rope.pos_freqs.is_cuda
+    assert torch.equal(rope.pos_freqs, gpu_built.pos_freqs) and torch.equal(rope.neg_freqs, gpu_built.neg_freqs)
+    print("rope: GPU build differs from the CPU build:", not torch.equal(rope.pos_freqs.cpu(), cpu_built.pos_freqs))

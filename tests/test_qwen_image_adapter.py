@@ -86,3 +86,13 @@ def test_velocity_is_deterministic_and_cfg_changes_it(adapter):
     assert not torch.allclose(with_cfg, no_cfg)
     # norm rescale: the guided velocity has the conditional prediction's per-token norm
     assert torch.allclose(with_cfg.norm(dim=-1), no_cfg.norm(dim=-1), rtol=1e-4)
+
+
+def test_rope_tables_are_built_on_the_compute_device(adapter):
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+
+    rope = adapter.transformer.pos_embed
+    with torch.device(adapter.device):
+        device_built = QwenEmbedRope(theta=rope.theta, axes_dim=list(rope.axes_dim), scale_rope=True)
+    assert rope.pos_freqs.device.type == adapter.device.type
+    assert torch.equal(rope.pos_freqs, device_built.pos_freqs) and torch.equal(rope.neg_freqs, device_built.neg_freqs)

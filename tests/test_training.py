@@ -131,3 +131,31 @@ def test_kl_to_reference_formula():
     std = torch.tensor(0.7)
     expected = torch.stack([((mean[i] - ref[i]) ** 2).mean() / (2 * 0.7**2) for i in range(3)])
     assert torch.allclose(kl_to_reference(mean, ref, std), expected)
+
+
+def test_last_block_text_branch_lora_gets_no_gradient_and_is_handled(tiny_checkpoint, tmp_path):
+    """The last block's text-stream outputs are discarded by the model, so its to_add_out / txt_mlp LoRA
+    parameters never receive gradients; AdamW, grad clipping, rank averaging and checkpoints cope."""
+    from imagerl.checkpoint import load_checkpoint, save_checkpoint
+    from imagerl.components import make_optimizer
+
+    cfg = tiny_config(tiny_checkpoint, tmp_path)
+    adapter, rollout = _rollout(cfg)
+    batch = rollout.batches()[0]
+    cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
+    adapter.transformer.train()
+    _step_log_prob(adapter, rollout, batch, 0, cond, cfg).log_prob.sum().backward()
+    last = len(adapter.transformer.transformer_blocks) - 1
+    dead = {n for n, p in adapter.transformer.named_parameters() if p.requires_grad and p.grad is None}
+    assert dead and all(n.startswith(f"transformer_blocks.{last}.") and ("to_add_out" in n or "txt_mlp" in n)
+                        for n in dead), dead
+    assert all(p.grad is not None for n, p in adapter.transformer.named_parameters() if p.requires_grad and n not in dead)
+    # end to end: the update, the checkpoint and its reload run with those parameters untouched
+    optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
+    from imagerl.algorithms.flow_grpo import flow_grpo_update
+    before = {n: p.detach().clone() for n, p in adapter.transformer.named_parameters() if n in dead}
+    flow_grpo_update(adapter, rollout, torch.randn(len(rollout)), optimizer, cfg, World(0, 1, torch.device("cpu")))
+    after = dict(adapter.transformer.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in dead)  # no gradient, so AdamW leaves them (no decay)
+    path = save_checkpoint(tmp_path, 1, adapter, optimizer, cfg.to_dict(), keep=1)
+    assert load_checkpoint(path, adapter, make_optimizer(adapter.trainable_parameters(), cfg)) == 1

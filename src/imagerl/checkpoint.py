@@ -43,6 +43,18 @@ def save_lora(adapter, directory: Path) -> None:
     pipeline.save_lora_weights(directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata)
 
 
+def load_lora(adapter, directory: Path) -> None:
+    """Add the adapter described by a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+    config_file, weights = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights.is_file():
+        raise ValueError(f"--lora {directory}: expected adapter_config.json and adapter_model.safetensors "
+                         "(the lora/ folder of an imagerl checkpoint)")
+    config = json.loads(config_file.read_text())
+    adapter.add_lora(config["r"], config["lora_alpha"], True, config["target_modules"])
+    state = load_file(weights)
+    adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
+
+
 def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, keep: int) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")

@@ -1,4 +1,4 @@
-"""imagerl command line: train | make-tiny-checkpoint | recipes | report."""
+"""imagerl command line: train | sample | make-tiny-checkpoint | recipes | report."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ def _train(args) -> int:
     from imagerl.config import load_config
     from imagerl.train import train
 
-    cfg = load_config(args.recipe, args.overrides)
+    flags = [f"model.path={args.model}"] if args.model else []
+    flags += [f"model.family={args.family}"] if args.family else []
+    cfg = load_config(args.recipe, flags + args.overrides)
     if args.output_dir:
         cfg.run.output_dir = args.output_dir
     run_dir = train(cfg, resume=args.resume)
@@ -20,9 +22,22 @@ def _train(args) -> int:
 
 
 def _make_tiny(args) -> int:
-    from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
+    if args.family == "qwen_image":
+        from imagerl.families.tiny_checkpoint import make_tiny_qwen_image as make
+    else:
+        from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21 as make
+    print(f"wrote {make(args.directory, seed=args.seed)}")
+    return 0
 
-    print(f"wrote {make_tiny_qwen_image(args.directory, seed=args.seed)}")
+
+def _sample(args) -> int:
+    from imagerl.sample import sample_images, save_images
+
+    images = sample_images(args.model, args.prompt, family=args.family or "auto", lora=args.lora,
+                           num_steps=args.steps, seed=args.seed, guidance_scale=args.guidance, height=args.height,
+                           width=args.width, negative_prompt=args.negative_prompt, device=args.device)
+    for path in save_images(images, args.out):
+        print(f"wrote {path}")
     return 0
 
 
@@ -49,10 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default="quickstart", help="bundled recipe name or YAML path (default: quickstart)")
     p.add_argument("--resume", default=None, help="'latest', a run directory or a checkpoint directory")
     p.add_argument("--output-dir", default=None, help="run directory (default: run.output_dir of the recipe)")
+    p.add_argument("--model", default=None, help="local diffusers-format checkpoint (same as model.path=)")
+    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
     p.add_argument("overrides", nargs="*", help="e.g. train.lr=1e-4 sample.group_size=8")
     p.set_defaults(fn=_train)
-    p = sub.add_parser("make-tiny-checkpoint", help="write a tiny random Qwen-Image checkpoint (hub layout)")
+    p = sub.add_parser("sample", help="generate images (ODE, the family's default guidance)")
+    p.add_argument("--model", required=True, help="local diffusers-format checkpoint")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for several images")
+    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
+    p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
+    p.add_argument("--steps", type=int, default=None, help="default: the pipeline's (50 / 40 for 2.1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guidance", type=float, default=None, help="default: the family's (4.0 / 1.0 for 2.1)")
+    p.add_argument("--negative-prompt", default=" ")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="sample.png", help="PNG path (several prompts: _0, _1, ... appended)")
+    p.set_defaults(fn=_sample)
+    p = sub.add_parser("make-tiny-checkpoint", help="write a tiny random checkpoint in the hub layout")
     p.add_argument("directory")
+    p.add_argument("--family", default="qwen_image", choices=["qwen_image", "qwen_image21"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_tiny)
     p = sub.add_parser("recipes", help="list bundled recipes")

@@ -121,3 +121,25 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         sigmas_next_S=sigmas[steps + 1], sigma_max=sigmas[1], images_B3HW=torch.cat(images), window=window,
         batch_size=s.batch_size,
     )
+
+
+@torch.no_grad()
+def ode_sample(adapter, prompts: list[str], *, num_steps: int, guidance_scale: float, height: int, width: int,
+               initial_noise_BNC: torch.Tensor, negative_prompt: str = " ", batch_size: int = 4) -> torch.Tensor:
+    """Deterministic sampling (noise level 0, the Euler ODE) as the family's diffusers pipeline: final
+    packed latents (B, N, C), float32. Used by `imagerl sample` and evaluation."""
+    text = adapter.encode_prompts(prompts)
+    negative = adapter.encode_prompts([negative_prompt])[0] if guidance_scale > 1 else None
+    sigmas = adapter.sigmas(num_steps, height, width)
+    timesteps = flow_timesteps(sigmas, adapter.scheduler_config)
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        batch = slice(start, start + batch_size)
+        n = len(prompts[batch])
+        cond = adapter.conditioning(text[batch], [negative] * n if negative is not None else None, guidance_scale)
+        x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
+        for i in range(num_steps):
+            v = adapter.velocity(x, timesteps[i].expand(n), cond, height, width)
+            x = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1]).prev_sample
+        out.append(x)
+    return torch.cat(out)

@@ -105,6 +105,8 @@ class FamilyAdapter:
     name: str = ""
     name_patterns: tuple[str, ...] = ()
     default_guidance_scale: float = 1.0
+    default_num_steps: int = 50  # the pipeline's num_inference_steps default (inference only)
+    default_resolution: int = 1024
     supports_kv_cache: bool = False
     lora_target_modules: tuple[str, ...] = ()
     pipeline_class_name: str = ""

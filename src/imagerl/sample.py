@@ -1,0 +1,49 @@
+"""`imagerl sample`: plain inference (ODE, the family's default guidance), optionally with a trained LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from imagerl.checkpoint import load_lora
+from imagerl.components import resolve_dtype
+from imagerl.distributed.parallel import resolve_device
+from imagerl.distributed.rng import make_generator
+from imagerl.families.registry import family_class
+from imagerl.rollout import ode_sample
+
+
+def sample_images(model: str, prompts: list[str], *, family: str = "auto", lora: str | None = None,
+                  num_steps: int | None = None, seed: int = 0, guidance_scale: float | None = None,
+                  height: int | None = None, width: int | None = None, negative_prompt: str = " ",
+                  device: str = "auto", dtype: str = "auto") -> torch.Tensor:
+    """RGB images (B, 3, H, W) in [0, 1]; image i's noise comes from (seed, i), independent of batching."""
+    if not prompts:
+        raise ValueError("give at least one --prompt")
+    dev = resolve_device(device)
+    cls = family_class(model, family)
+    adapter = cls.from_pretrained(Path(model), dev, resolve_dtype(dtype, dev))
+    if lora:
+        load_lora(adapter, Path(lora))
+    h, w = height or cls.default_resolution, width or cls.default_resolution
+    steps = num_steps or cls.default_num_steps
+    guidance = cls.default_guidance_scale if guidance_scale is None else guidance_scale
+    noise = torch.cat([adapter.initial_noise([make_generator(seed, "sample", i)], h, w) for i in range(len(prompts))])
+    latents = ode_sample(adapter, prompts, num_steps=steps, guidance_scale=guidance, height=h, width=w,
+                         initial_noise_BNC=noise, negative_prompt=negative_prompt)
+    return adapter.decode(latents, h, w).cpu()
+
+
+def save_images(images_B3HW: torch.Tensor, out: str) -> list[Path]:
+    """One PNG per image: `out` itself for one image, out_0.png, out_1.png ... for several."""
+    from PIL import Image
+
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = (images_B3HW.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    paths = [out_path] if len(arrays) == 1 else [out_path.with_name(f"{out_path.stem}_{i}{out_path.suffix}")
+                                                  for i in range(len(arrays))]
+    for array, path in zip(arrays, paths):
+        Image.fromarray(array).save(path)
+    return paths
