@@ -1,0 +1,167 @@
+"""Tiny random Qwen-Image 2.1 checkpoints in the exact hub layout, built from the libraries' own classes.
+
+`make_tiny_qwen_image21(dir)` writes what `Qwen/Qwen-Image-2.1` ships (model_index.json, transformer/,
+vae/, scheduler/, text_encoder/, processor/) with random weights, through
+`QwenImage21Pipeline.save_pretrained`, so that it loads through the same code path as the real weights.
+
+Components (reference/diffusers_qwenimage.md §2, §3.2, §4, §5, §7):
+  transformer   QwenImage21Transformer2DModel, patch_size 1, in = out = the VAE's z_dim, 2 blocks.
+  vae           AutoencoderKLQwenImage21 with a 5-entry dim_mult (the pipeline hard-codes 16x), RGBA in/out,
+                non-trivial latents_mean / latents_std so that de-normalisation is exercised.
+  text_encoder  Qwen3VLForConditionalGeneration (text hidden 32, 2 layers, mrope_section summing to
+                head_dim / 2) with a tiny vision tower; its special-token ids are the tiny tokenizer's.
+  processor     Qwen3VLProcessor: a byte-level BPE (Qwen2Tokenizer, Qwen2.5/3 pre-tokenizer regex) trained on
+                the 2.1 prompt template + the bundled prompts, the PIL Qwen2-VL image processor, and a chat
+                template with Qwen3-VL's format. No video processor: transformers' video processors need
+                torchvision, which imagerl does not depend on (text-to-image never reads videos).
+The pipeline derives the number of system-turn tokens it drops from
+`processor.apply_chat_template([system message])`; `system_turn_length` repeats that computation and the
+tests check that it is exactly the tokens of "<|im_start|>system\\n{SYS}<|im_end|>\\n".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG, SPECIAL_TOKENS, TINY_TEXT_DIM, _bundled_prompts
+
+SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."  # QwenImage21Pipeline.sys_prompt
+QWEN_IMAGE21_TEMPLATE = (
+    f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
+)
+TINY21_Z_DIM = 8  # VAE latent channels == transformer in/out channels (2.1 consumes latents unpatched)
+
+# Qwen3-VL's chat format (system / user / assistant turns; text, image and video items), without tools.
+CHAT_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for content in message.content %}"
+    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}"
+    "{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content %}"
+    "{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in content %}{{- content.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_tiny_tokenizer21(vocab_size: int = 1024):
+    """A Qwen2Tokenizer whose BPE is trained on the 2.1 template and the bundled prompts."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    corpus = [QWEN_IMAGE21_TEMPLATE.format(p) for p in _bundled_prompts()]
+    corpus += [QWEN_IMAGE21_TEMPLATE.format("")] * 64  # make every template word a single token
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(corpus, trainer)
+    spec = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=spec["vocab"], merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.model_max_length = 262144
+    return tokenizer
+
+
+def build_tiny_processor21():
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    # Qwen3-VL's image preprocessing geometry (16 px patches, 2x2 merge), small pixel budget.
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                               size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256})
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=build_tiny_tokenizer21(), video_processor=None,
+                            chat_template=CHAT_TEMPLATE)
+
+
+def system_turn_length(processor) -> int:
+    """Tokens QwenImage21Pipeline drops from each prompt (its `_drop_idx`), computed the pipeline's way."""
+    message = [{"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]}]
+    return len(processor.apply_chat_template(message, tokenize=True, return_dict=False)[0])
+
+
+def build_tiny_text_encoder21(tokenizer, seed: int = 0):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=TINY_TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+            # mrope_section sums to head_dim / 2 (8B: [24, 20, 20] of 64); interleaved as in Qwen3-VL.
+            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2],
+                             "mrope_interleaved": True},
+            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TINY_TEXT_DIM,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        tie_word_embeddings=False, **ids,
+    )
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def build_tiny_transformer21(seed: int = 0):
+    from diffusers import QwenImage21Transformer2DModel
+
+    torch.manual_seed(seed)
+    return QwenImage21Transformer2DModel(
+        patch_size=1, in_channels=TINY21_Z_DIM, out_channels=TINY21_Z_DIM, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, context_in_dim=TINY_TEXT_DIM, mlp_ratio=3, axes_dims_rope=(4, 6, 6),
+    )
+
+
+def build_tiny_vae21(seed: int = 0):
+    from diffusers import AutoencoderKLQwenImage21
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    mean = (torch.randn(TINY21_Z_DIM, generator=gen) * 0.5).tolist()
+    std = (torch.rand(TINY21_Z_DIM, generator=gen) + 0.75).tolist()
+    return AutoencoderKLQwenImage21(
+        base_dim=8, decoder_base_dim=12, z_dim=TINY21_Z_DIM, dim_mult=[1, 2, 4, 8, 8], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True], latents_mean=mean, latents_std=std,
+    )
+
+
+def make_tiny_qwen_image21(directory: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random Qwen-Image 2.1 checkpoint (diffusers/hub layout) to `directory`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+
+    directory = Path(directory)
+    if directory.exists():
+        raise FileExistsError(f"{directory} already exists; remove it or choose another directory")
+    processor = build_tiny_processor21()
+    pipe = QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+        vae=build_tiny_vae21(seed),
+        text_encoder=build_tiny_text_encoder21(processor.tokenizer, seed),
+        processor=processor,
+        transformer=build_tiny_transformer21(seed),
+    )
+    tmp = directory.with_name(directory.name + ".partial")
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(directory)
+    return directory
