@@ -10,28 +10,32 @@ Components (reference/diffusers_qwenimage.md §2, §3.2, §4, §5, §7):
                 non-trivial latents_mean / latents_std so that de-normalisation is exercised.
   text_encoder  Qwen3VLForConditionalGeneration (text hidden 32, 2 layers, mrope_section summing to
                 head_dim / 2) with a tiny vision tower; its special-token ids are the tiny tokenizer's.
-  processor     Qwen3VLProcessor: a byte-level BPE (Qwen2Tokenizer, Qwen2.5/3 pre-tokenizer regex) trained on
-                the 2.1 prompt template + the bundled prompts, the PIL Qwen2-VL image processor, and a chat
-                template with Qwen3-VL's format. No video processor: transformers' video processors need
-                torchvision, which imagerl does not depend on (text-to-image never reads videos).
-The pipeline derives the number of system-turn tokens it drops from
-`processor.apply_chat_template([system message])`; `system_turn_length` repeats that computation and the
-tests check that it is exactly the tokens of "<|im_start|>system\\n{SYS}<|im_end|>\\n".
+  processor/    what a Qwen3VLProcessor folder holds: a byte-level BPE (Qwen2Tokenizer, the Qwen2.5/3
+                pre-tokenizer regex) trained on the 2.1 prompt template + the bundled prompts, with the Qwen
+                special tokens; a Qwen2-VL image processor and a Qwen3-VL video processor config (16 px
+                patches, 2x2 merge); and chat_template.jinja with Qwen3-VL's chat format.
+
+torchvision: transformers 5.x cannot build (nor load) a Qwen3VLProcessor without torchvision, because its
+video processor needs it; imagerl does not depend on torchvision (and none matches the CPU torch here).
+So the processor folder is written file by file (the files Qwen3VLProcessor.save_pretrained writes), the
+pipeline's model_index.json names ["transformers", "Qwen3VLProcessor"] as the hub's does, and
+`load_processor21` loads it with Qwen3VLProcessor.from_pretrained when torchvision is installed, else builds
+a Qwen3VLProcessor without a video processor (text and images only), e.g. for
+`QwenImage21Pipeline.from_pretrained(dir, processor=load_processor21(dir / "processor"))`. The imagerl
+adapter itself only needs the tokenizer (see qwen_image21.py).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
+from imagerl.families.qwen_image21 import PROMPT_TEMPLATE as QWEN_IMAGE21_TEMPLATE
 from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG, SPECIAL_TOKENS, TINY_TEXT_DIM, _bundled_prompts
 
-SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."  # QwenImage21Pipeline.sys_prompt
-QWEN_IMAGE21_TEMPLATE = (
-    f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
-)
 TINY21_Z_DIM = 8  # VAE latent channels == transformer in/out channels (2.1 consumes latents unpatched)
 
 # Qwen3-VL's chat format (system / user / assistant turns; text, image and video items), without tools.
@@ -81,22 +85,62 @@ def build_tiny_tokenizer21(vocab_size: int = 1024):
     return tokenizer
 
 
-def build_tiny_processor21():
-    from transformers import Qwen3VLProcessor
+def build_tiny_image_processor21():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     # Qwen3-VL's image preprocessing geometry (16 px patches, 2x2 merge), small pixel budget.
-    image_processor = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
-                                               image_mean=[0.5] * 3, image_std=[0.5] * 3,
-                                               size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256})
-    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=build_tiny_tokenizer21(), video_processor=None,
-                            chat_template=CHAT_TEMPLATE)
+    return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256})
 
 
-def system_turn_length(processor) -> int:
-    """Tokens QwenImage21Pipeline drops from each prompt (its `_drop_idx`), computed the pipeline's way."""
-    message = [{"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]}]
-    return len(processor.apply_chat_template(message, tokenize=True, return_dict=False)[0])
+def write_processor_folder(folder: Path, tokenizer, image_processor) -> None:
+    """The files of a saved Qwen3VLProcessor (legacy hub layout), written without instantiating one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    image_processor.save_pretrained(folder)  # preprocessor_config.json
+    video = dict(video_processor_type="Qwen3VLVideoProcessor", processor_class="Qwen3VLProcessor", patch_size=16,
+                 temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                 size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256})
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2) + "\n")
+
+
+def qwen3vl_processor(tokenizer, image_processor, chat_template: str):
+    """A Qwen3VLProcessor without a video processor (text and images only), which transformers' own
+    constructor refuses: it checks each sub-processor's class, and the video one needs torchvision."""
+    from transformers import Qwen3VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self, name, arg):  # accept the missing video processor only
+        return None if (name == "video_processor" and arg is None) else check(self, name, arg)
+
+    ProcessorMixin.check_argument_for_proper_class = lenient
+    try:
+        return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                                chat_template=chat_template)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def build_tiny_processor():
+    """The tiny processor in memory (tokenizer, image processor, chat template; no video processor)."""
+    tokenizer = build_tiny_tokenizer21()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return qwen3vl_processor(tokenizer, build_tiny_image_processor21(), CHAT_TEMPLATE)
+
+
+def load_processor21(folder: str | Path):
+    """A Qwen3VLProcessor from a processor/ folder; without torchvision, one without a video processor."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLProcessor
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return Qwen3VLProcessor.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return qwen3vl_processor(tokenizer, AutoImageProcessor.from_pretrained(folder), tokenizer.chat_template)
 
 
 def build_tiny_text_encoder21(tokenizer, seed: int = 0):
@@ -149,19 +193,31 @@ def build_tiny_vae21(seed: int = 0):
 def make_tiny_qwen_image21(directory: str | Path, seed: int = 0) -> Path:
     """Write a tiny random Qwen-Image 2.1 checkpoint (diffusers/hub layout) to `directory`."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+    from diffusers.utils import logging as diffusers_logging
 
     directory = Path(directory)
     if directory.exists():
         raise FileExistsError(f"{directory} already exists; remove it or choose another directory")
-    processor = build_tiny_processor21()
+    tmp = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier build
+    tokenizer = build_tiny_tokenizer21()
+    write_processor_folder(tmp / "processor", tokenizer, build_tiny_image_processor21())
     pipe = QwenImage21Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
         vae=build_tiny_vae21(seed),
-        text_encoder=build_tiny_text_encoder21(processor.tokenizer, seed),
-        processor=processor,
+        text_encoder=build_tiny_text_encoder21(tokenizer, seed),
+        processor=load_processor21(tmp / "processor"),  # __init__ reads its chat template and tokenizer
         transformer=build_tiny_transformer21(seed),
     )
-    tmp = directory.with_name(directory.name + ".partial")
-    pipe.save_pretrained(tmp, safe_serialization=True)
+    pipe.register_modules(processor=None)  # already written above; its save_pretrained needs torchvision
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # silence "processor=None cannot be saved"
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    index = json.loads((tmp / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen3VLProcessor"]
+    (tmp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     tmp.rename(directory)
     return directory
