@@ -10,7 +10,7 @@ import torch
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
 
-TINY_CHECKPOINT = "tiny-qwen-image-v1"
+TINY_CHECKPOINTS = {"tiny": "tiny-qwen-image-v1", "tiny21": "tiny-qwen-image21-v1"}
 
 
 def cache_dir() -> Path:
@@ -18,15 +18,18 @@ def cache_dir() -> Path:
 
 
 def resolve_model_path(spec: str, world: World | None = None) -> Path:
-    """"tiny" -> the tiny random checkpoint in the cache (built once, by rank 0); else the directory."""
-    if spec != "tiny":
+    """"tiny" / "tiny21" -> a tiny random Qwen-Image / Qwen-Image 2.1 checkpoint in the cache (built once,
+    by rank 0); anything else is a checkpoint directory."""
+    if spec not in TINY_CHECKPOINTS:
         return Path(spec).expanduser()
     from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
+    from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
 
-    path = cache_dir() / TINY_CHECKPOINT
+    name, make = TINY_CHECKPOINTS[spec], {"tiny": make_tiny_qwen_image, "tiny21": make_tiny_qwen_image21}[spec]
+    path = cache_dir() / name
     if (world is None or world.is_main) and not (path / "model_index.json").is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        make_tiny_qwen_image(path)
+        make(path)
     if world is not None:
         world.barrier()
     return path

@@ -25,7 +25,8 @@ from imagerl.sampling.window import validate_window
 @dataclass
 class ModelConfig:
     path: str = "tiny"
-    """Local diffusers-format checkpoint directory, or "tiny" for a tiny random Qwen-Image built on first use."""
+    """Local diffusers-format checkpoint directory, or "tiny" / "tiny21" for a tiny random Qwen-Image /
+    Qwen-Image 2.1 built on first use (in $IMAGERL_CACHE or ~/.cache/imagerl)."""
     family: str = "auto"
     """Family adapter name ("qwen_image"), or "auto" to resolve from the checkpoint."""
     device: str = "auto"
@@ -74,7 +75,8 @@ class SampleConfig:
     """Samples per forward per rank (CFG doubles it); training replays the same batches."""
     kv_cache: bool = False
     """qwen_image21 only: reuse the text prefix's keys/values across rollout steps (faster rollout). Training
-    always runs the full forward, so in bf16 the on-policy ratio is then no longer bit-exact (fp32: exact)."""
+    always runs the full forward: the replay is exact on CPU fp32, but not guaranteed on GPU (an H200 run
+    showed train/log_prob_mean_abs_diff up to 1.5e-8 in fp32; benchmarks/RESULTS.md)."""
 
 
 @dataclass

@@ -18,7 +18,6 @@ import torch
 from imagerl.config import Config
 from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
-from imagerl.families.base import Conditioning
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
 
 
@@ -55,7 +54,8 @@ class Rollout:
     def batches(self) -> list[slice]:
         return [slice(i, min(i + self.batch_size, len(self))) for i in range(0, len(self), self.batch_size)]
 
-    def conditioning(self, adapter, batch: slice, guidance_scale: float) -> Conditioning:
+    def conditioning(self, adapter, batch: slice, guidance_scale: float):
+        """The adapter's conditioning object for one replayed batch (training: never the KV cache)."""
         n = len(self.prompts_B[batch])
         return adapter.conditioning(self.text_B[batch], [self.negative] * n if self.negative is not None else None,
                                     guidance_scale)

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 FAMILIES: dict[str, type] = {}
-BUILTIN_FAMILY_MODULES = ("imagerl.families.qwen_image", "imagerl.families.qwen_image21")
 
 
 def register_family(cls):
@@ -21,12 +20,7 @@ def register_family(cls):
 
 
 def _import_builtin() -> None:
-    import importlib
-    import importlib.util
-
-    for module in BUILTIN_FAMILY_MODULES:
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
+    from imagerl.families import qwen_image, qwen_image21  # noqa: F401  (registration on import)
 
 
 def _unknown(name: str) -> ValueError:
