@@ -50,14 +50,14 @@ def _bundled_prompts() -> list[str]:
     return load_prompts(bundled_prompt_file())
 
 
-def build_tiny_tokenizer(vocab_size: int = 1024):
-    """A Qwen2Tokenizer whose BPE is trained on the template and the bundled prompts."""
+def build_tiny_tokenizer(vocab_size: int = 1024, template: str = QWEN_IMAGE_TEMPLATE, model_max_length: int = 32768):
+    """A Qwen2Tokenizer whose BPE is trained on a prompt template and the bundled prompts."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, Regex
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    corpus = [QWEN_IMAGE_TEMPLATE.format(p) for p in _bundled_prompts()]
-    corpus += [QWEN_IMAGE_TEMPLATE.format("")] * 64  # make every template word a single token
+    corpus = [template.format(p) for p in _bundled_prompts()]
+    corpus += [template.format("")] * 64  # make every template word a single token
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
@@ -72,7 +72,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024):
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["merges"]]
     tokenizer = Qwen2Tokenizer(vocab=spec["vocab"], merges=merges)
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    tokenizer.model_max_length = 32768
+    tokenizer.model_max_length = model_max_length
     return tokenizer
 
 

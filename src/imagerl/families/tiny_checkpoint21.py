@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from imagerl.families.qwen_image21 import PROMPT_TEMPLATE as QWEN_IMAGE21_TEMPLATE
-from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG, SPECIAL_TOKENS, TINY_TEXT_DIM, _bundled_prompts
+from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG, TINY_TEXT_DIM, build_tiny_tokenizer
 
 TINY21_Z_DIM = 8  # VAE latent channels == transformer in/out channels (2.1 consumes latents unpatched)
 
@@ -63,26 +63,7 @@ CHAT_TEMPLATE = (
 
 def build_tiny_tokenizer21(vocab_size: int = 1024):
     """A Qwen2Tokenizer whose BPE is trained on the 2.1 template and the bundled prompts."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    corpus = [QWEN_IMAGE21_TEMPLATE.format(p) for p in _bundled_prompts()]
-    corpus += [QWEN_IMAGE21_TEMPLATE.format("")] * 64  # make every template word a single token
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    bpe.train_from_iterator(corpus, trainer)
-    spec = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=spec["vocab"], merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    tokenizer.model_max_length = 262144
-    return tokenizer
+    return build_tiny_tokenizer(vocab_size, template=QWEN_IMAGE21_TEMPLATE, model_max_length=262144)
 
 
 def build_tiny_image_processor21():
