@@ -216,7 +216,7 @@ def test_empty_recipe_file_gives_the_defaults(tmp_path):
     (["train.lr=.nan"], 1, r"train\.lr must be a finite number >= 0, got nan"),
     (["model.lora_init=pissa"], 1, r"model\.lora_init must be 'gaussian' or 'default'"),
     (["reward.weights={}"], 1, r"reward\.weights is empty"),
-    (["reward.on_nan=ignore"], 1, r"reward\.on_nan must be 'error' or 'drop', got 'ignore'"),
+    (["reward.on_error=ignore"], 1, r"reward\.on_error must be 'error' or 'skip', got 'ignore'"),
     (["sample.sde_type=ode"], 1, r"sample\.sde_type must be 'sde' or 'cps', got 'ode'"),
     (["model.dtype=float16"], 1, r"model\.dtype must be auto, float32 or bfloat16, got 'float16'"),
     (["sample.group_size=0"], 1, r"sample\.group_size must be >= 1, got 0"),

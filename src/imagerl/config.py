@@ -48,6 +48,11 @@ class ModelConfig:
 class DataConfig:
     train_prompts: str = "bundled"
     """.txt (one prompt per line) or .jsonl ("prompt" field); "bundled" = 128 OCR prompts shipped with imagerl."""
+    test_prompts: str = ""
+    """Held-out prompts for evaluation: a file, "split" (hold out test_fraction of train_prompts,
+    deterministically), or "" (no evaluation)."""
+    test_fraction: float = 0.1
+    split_seed: int = 0
 
 
 @dataclass
@@ -102,8 +107,41 @@ class TrainConfig:
 class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
     """Reward name -> weight; the training reward is the weighted sum."""
-    on_nan: str = "error"
-    """"error": stop with a message; "drop": NaN samples get advantage 0, counted in rollout/reward/nan_count."""
+    on_error: str = "error"
+    """A reward that raises or returns NaN/inf: "error" stops the run (state saved, resumable); "skip" drops
+    those samples from the update (advantage 0) and counts them in rollout/reward/failed_count."""
+    device: str = "auto"
+    """Where reward models run: "auto" (the policy's device), "cpu", "cuda:1", ..."""
+    dtype: str = "float32"
+    """Reward-model dtype: "float32" (flow_grpo) or "bfloat16"."""
+    batch_size: int = 32
+    """Images per reward-model forward."""
+    async_scoring: bool = True
+    """Score each rollout batch in a background thread while the next batch is generated."""
+    pickscore_model: str = ""
+    """Local copy of yuvalkirstain/PickScore_v1 (CLIPModel)."""
+    pickscore_processor: str = ""
+    """Local copy of laion/CLIP-ViT-H-14-laion2B-s32B-b79K (its CLIPProcessor); empty: pickscore_model."""
+    clip_model: str = ""
+    """Local CLIP ViT-L/14 (openai/clip-vit-large-patch14) for aesthetic and clipscore."""
+    aesthetic_head: str = ""
+    """LAION improved-aesthetic MLP weights (sac+logos+ava1-l14-linearMSE.pth or .safetensors)."""
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0
+    """Rollouts between held-out evaluations (0: never); also after the last rollout. Needs data.test_prompts."""
+    before_training: bool = False
+    num_steps: int = 50
+    """ODE steps (flow_grpo evaluates Qwen-Image with 50)."""
+    guidance_scale: typing.Optional[float] = None
+    """None: sample.guidance_scale (flow_grpo evaluates with the training CFG, 4)."""
+    seed: int = 0
+    """Image i of the test set always starts from the noise of (seed, i)."""
+    batch_size: int = 4
+    max_prompts: int = 0
+    """Evaluate only the first N test prompts (0: all)."""
 
 
 @dataclass
@@ -116,6 +154,9 @@ class RunConfig:
     image_grid_every: int = 10
     """Rollouts between sample-image grids written to <output_dir>/images (0: never)."""
     tensorboard: bool = True
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`)."""
+    wandb_project: str = "imagerl"
 
 
 @dataclass
@@ -126,6 +167,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
@@ -292,8 +334,20 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         raise ValueError(f"model.lora_init must be 'gaussian' or 'default', got {cfg.model.lora_init!r}")
     if not cfg.reward.weights:
         raise ValueError("reward.weights is empty: name at least one reward, e.g. reward.weights={jpeg_compressibility: 1.0}")
-    if cfg.reward.on_nan not in ("error", "drop"):
-        raise ValueError(f"reward.on_nan must be 'error' or 'drop', got {cfg.reward.on_nan!r}")
+    if cfg.reward.on_error not in ("error", "skip"):
+        raise ValueError(f"reward.on_error must be 'error' or 'skip', got {cfg.reward.on_error!r}")
+    if cfg.reward.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"reward.dtype must be float32 or bfloat16, got {cfg.reward.dtype!r}")
+    if cfg.reward.batch_size < 1:
+        raise ValueError(f"reward.batch_size must be >= 1, got {cfg.reward.batch_size}")
+    e = cfg.eval
+    if e.interval < 0 or e.num_steps < 1 or e.batch_size < 1 or e.max_prompts < 0:
+        raise ValueError("eval.interval and eval.max_prompts must be >= 0, eval.num_steps and eval.batch_size >= 1")
+    if (e.interval or e.before_training) and not cfg.data.test_prompts:
+        raise ValueError("evaluation is on (eval.interval / eval.before_training) but data.test_prompts is empty; "
+                         "give a prompt file or data.test_prompts=split")
+    if not 0 < cfg.data.test_fraction < 1:
+        raise ValueError(f"data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}")
     if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
 

@@ -56,10 +56,10 @@ def train(cfg: Config, resume: str | None = None) -> Path:
                 rewards = scorer.score(rollout.images_B3HW, rollout.prompts_B, rollout.metadata_B)
             except RewardError as e:
                 _stop_on_reward_error(e, run_dir, step, adapter, optimizer, cfg, world)
-            if cfg.reward.on_nan == "error" and not bool(rewards.valid_B.all()):
+            if cfg.reward.on_error == "error" and not bool(rewards.valid_B.all()):
                 bad = (~rewards.valid_B).nonzero().flatten().tolist()
-                _stop_on_reward_error(RewardError(f"rewards are NaN/inf for samples {bad[:8]} (reward.on_nan=error; "
-                                                  "set reward.on_nan=drop to skip such samples)"),
+                _stop_on_reward_error(RewardError(f"rewards are NaN/inf for samples {bad[:8]} (reward.on_error=error; "
+                                                  "set reward.on_error=skip to skip such samples)"),
                                       run_dir, step, adapter, optimizer, cfg, world)
             advantages, reward_metrics = rollout_advantages(rewards.total_B, rewards.valid_B, rollout.group_ids_B,
                                                             world, cfg.train.global_std)

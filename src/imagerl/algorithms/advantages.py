@@ -76,7 +76,7 @@ def rollout_advantages(reward_B: torch.Tensor, valid_B: torch.Tensor, group_ids_
     """This rank's advantages from rewards gathered over all ranks, plus reward metrics.
 
     Samples whose reward is not finite (valid_B False) get advantage 0 and are left out of every
-    statistic; the caller decides whether they are allowed (reward.on_nan).
+    statistic; the caller decides whether they are allowed (reward.on_error).
     """
     device = world.device
     reward_all = world.all_gather(reward_B.to(device, torch.float64)).cpu()
@@ -91,7 +91,7 @@ def rollout_advantages(reward_B: torch.Tensor, valid_B: torch.Tensor, group_ids_
     metrics = {
         "rollout/reward/raw_mean": kept.mean().item() if kept.numel() else float("nan"),
         "rollout/reward/raw_std": kept.std(correction=0).item() if kept.numel() else float("nan"),
-        "rollout/reward/nan_count": int((~valid_all).sum()),
+        "rollout/reward/failed_count": int((~valid_all).sum()),
         "rollout/zero_std_ratio": stats.zero_std_ratio,
         "rollout/reward_std_mean": stats.reward_std_mean,
         "rollout/num_groups": stats.num_groups,
