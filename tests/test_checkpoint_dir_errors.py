@@ -232,9 +232,9 @@ def test_cli_inconsistent_batch_sizes(tmp_path, capsys, no_model_load):
 
 
 def test_cli_unknown_reward(tmp_path, capsys, no_model_load):
-    code, _, err = run_cli(["train", "reward.weights={aesthetic: 1.0}", "--output-dir", str(tmp_path / "run")], capsys)
+    code, _, err = run_cli(["train", "reward.weights={hpsv2: 1.0}", "--output-dir", str(tmp_path / "run")], capsys)
     assert code == 2
-    assert "unknown reward(s) ['aesthetic']" in err and "jpeg_compressibility" in err
+    assert "unknown reward(s) ['hpsv2']" in err and "jpeg_compressibility" in err
 
 
 def test_cli_missing_model_directory(tmp_path, capsys):

@@ -76,7 +76,7 @@ def test_three_rollout_run_writes_every_metric_and_artifact(tiny_checkpoint, tmp
     assert records[-1]["train/ratio_abs_minus_1"] > 0.0  # the second optimizer step is off-policy
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "images" / "rollout_000001.png").is_file() and (tmp_path / "images" / "rollout_000002.png").is_file()
-    assert (tmp_path / "reward_curve.png").is_file() and (tmp_path / "config.yaml").is_file()
+    assert (tmp_path / "plots" / "reward.png").is_file() and (tmp_path / "config.yaml").is_file()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
 
 

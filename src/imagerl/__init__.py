@@ -2,7 +2,8 @@
 
 from imagerl.algorithms.advantages import group_advantages
 from imagerl.families.registry import resolve_family
+from imagerl.rewards.ocr import ocr_reward
 from imagerl.sampling import flow_sde_step, flow_sigmas
 
 __version__ = "0.1.0"
-__all__ = ["flow_sigmas", "flow_sde_step", "group_advantages", "resolve_family", "__version__"]
+__all__ = ["flow_sigmas", "flow_sde_step", "group_advantages", "ocr_reward", "resolve_family", "__version__"]

@@ -1,4 +1,4 @@
-"""imagerl command line: train | sample | make-tiny-checkpoint | recipes | report."""
+"""imagerl command line: train | sample | eval | make-tiny-checkpoint | recipes | report."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def _train(args) -> int:
     if args.output_dir:
         cfg.run.output_dir = args.output_dir
     run_dir = train(cfg, resume=args.resume)
-    print(f"done: {run_dir} (metrics.jsonl, tensorboard/, images/, checkpoints/, reward_curve.png)")
+    print(f"done: {run_dir} (metrics.jsonl, tensorboard/, images/, checkpoints/, plots/reward.png); "
+          f"summary: imagerl report {run_dir}")
     return 0
 
 
@@ -51,9 +52,19 @@ def _recipes(args) -> int:
 
 
 def _report(args) -> int:
-    from imagerl.metrics import plot_reward_curve
+    from imagerl.report import write_report
 
-    print(f"wrote {plot_reward_curve(Path(args.run_dir))}")
+    table, paths = write_report(Path(args.run_dir), phases=not args.no_phases)
+    print(table)
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def _eval(args) -> int:
+    from imagerl.evaluation import cli_evaluate
+
+    cli_evaluate(args)
     return 0
 
 
@@ -82,6 +93,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="sample.png", help="PNG path (several prompts: _0, _1, ... appended)")
     p.set_defaults(fn=_sample)
+    p = sub.add_parser("eval", help="held-out evaluation: ODE samples of a prompt file, scored (base model or a LoRA)")
+    p.add_argument("--model", required=True, help="local diffusers-format checkpoint (or tiny / tiny21)")
+    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
+    p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
+    p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl (a 'prompt' field)")
+    p.add_argument("--reward", action="extend", nargs="+", default=None, metavar="NAME",
+                   help="reward(s), each weighted 1 (default: jpeg_compressibility)")
+    p.add_argument("--steps", type=int, default=None, help="ODE steps (default: the family's, 50 / 40 for 2.1)")
+    p.add_argument("--guidance", type=float, default=None, help="default: the family's (4.0 / 1.0 for 2.1)")
+    p.add_argument("--height", type=int, default=None, help="default: the family's resolution")
+    p.add_argument("--width", type=int, default=None, help="default: the family's resolution")
+    p.add_argument("--max-prompts", type=int, default=0, help="only the first N prompts (default 0: all)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0, help="image i starts from the noise of (seed, i)")
+    p.add_argument("--negative-prompt", default=" ")
+    p.add_argument("--on-error", default="error", choices=["error", "skip"],
+                   help="a failed/NaN reward stops (error) or is counted in eval/reward/failed_count (skip)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--out", default="eval_out", help="directory for eval.json and eval_grid.png (default: eval_out)")
+    p.add_argument("overrides", nargs="*", help="reward settings, e.g. reward.clip_model=/models/clip-vit-large-patch14")
+    p.set_defaults(fn=_eval)
     p = sub.add_parser("make-tiny-checkpoint", help="write a tiny random checkpoint in the hub layout")
     p.add_argument("directory")
     p.add_argument("--family", default="qwen_image", choices=["qwen_image", "qwen_image21"])
@@ -89,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_make_tiny)
     p = sub.add_parser("recipes", help="list bundled recipes")
     p.set_defaults(fn=_recipes)
-    p = sub.add_parser("report", help="write reward_curve.png for a run directory")
+    p = sub.add_parser("report", help="summary table of a run; writes plots/reward.png and plots/phases.png")
     p.add_argument("run_dir")
+    p.add_argument("--no-phases", action="store_true", help="skip plots/phases.png")
     p.set_defaults(fn=_report)
     return parser
 

@@ -1,7 +1,13 @@
-"""Prompt files and the group-complete distributed prompt sampler.
+"""Prompt files, the deterministic train/test split, and the group-complete distributed prompt sampler.
 
 Prompt files: `.txt` (one prompt per line, blank lines skipped) or `.jsonl` (one JSON object per
 line with a "prompt" field; the whole record is kept as metadata for rewards that need it).
+
+Held-out split (data.test_prompts=split): the distinct prompt texts are ordered by a hash of
+(split_seed, text) and the first test_fraction of them are held out, with every record that has
+that text. The split depends only on the file's prompts and the seed (not on torch, Python or the
+machine), and a prompt repeated in the file (GenEval repeats each prompt 4 times) never lands on
+both sides.
 
 The sampler is stateless: the prompts of rollout `step` are a pure function of (seed, step), so all
 ranks agree on them without communication, and a resumed run draws exactly what an uninterrupted
@@ -10,6 +16,7 @@ run would have drawn.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from importlib import resources
@@ -35,11 +42,12 @@ class PromptSet:
         return len(self.prompts)
 
 
-def load_prompt_set(path: str | Path) -> PromptSet:
-    """Read a prompt file; every problem is a ValueError that names the file and line."""
+def load_prompt_set(path: str | Path, key: str = "data.train_prompts") -> PromptSet:
+    """Read a prompt file; every problem is a ValueError that names the file and line (and `key`, the
+    setting that named the file)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"prompt file {path} does not exist (set data.train_prompts to a .txt or .jsonl file)")
+        raise ValueError(f"prompt file {path} does not exist (set {key} to a .txt or .jsonl file)")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -71,6 +79,62 @@ def load_prompt_set(path: str | Path) -> PromptSet:
 
 def load_prompts(path: str | Path) -> list[str]:
     return load_prompt_set(path).prompts
+
+
+def _subset(prompt_set: PromptSet, indices: list[int]) -> PromptSet:
+    return PromptSet([prompt_set.prompts[i] for i in indices], [prompt_set.metadata[i] for i in indices])
+
+
+def _split_key(seed: int, prompt: str) -> bytes:
+    return hashlib.sha256(f"imagerl-split:{int(seed)}:{prompt}".encode()).digest()
+
+
+def split_prompt_set(prompt_set: PromptSet, test_fraction: float, seed: int) -> tuple[PromptSet, PromptSet]:
+    """(train, test): hold out round(test_fraction x distinct prompts) distinct prompt texts (at least one,
+    and at least one left for training when there are two or more), chosen by a seeded hash order.
+
+    Deterministic (same prompts and seed -> same split), disjoint (by record and by prompt text), and
+    together they hold every record; both keep the file order. A set with one distinct prompt gives an
+    empty train set."""
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if not len(prompt_set):
+        raise ValueError("cannot split an empty prompt set")
+    distinct = list(dict.fromkeys(prompt_set.prompts))
+    n_test = min(max(1, round(len(distinct) * test_fraction)), max(1, len(distinct) - 1))
+    held_out = set(sorted(distinct, key=lambda p: _split_key(seed, p))[:n_test])
+    test = [i for i, p in enumerate(prompt_set.prompts) if p in held_out]
+    train = [i for i, p in enumerate(prompt_set.prompts) if p not in held_out]
+    return _subset(prompt_set, train), _subset(prompt_set, test)
+
+
+def load_train_test(data_cfg) -> tuple[PromptSet, PromptSet | None]:
+    """The training prompts and the held-out prompts (None when data.test_prompts is empty).
+
+    data.train_prompts: "bundled" or a .txt/.jsonl file. data.test_prompts: "" (no evaluation), "split"
+    (hold out data.test_fraction of the train file's distinct prompts, seeded by data.split_seed; training
+    then uses the rest), or a .txt/.jsonl file."""
+    train_file = bundled_prompt_file() if data_cfg.train_prompts == "bundled" else data_cfg.train_prompts
+    train = load_prompt_set(train_file)
+    if not data_cfg.test_prompts:
+        return train, None
+    if data_cfg.test_prompts == "split":
+        train, test = split_prompt_set(train, data_cfg.test_fraction, data_cfg.split_seed)
+        if not len(train):
+            raise ValueError(f"data.test_prompts=split: {train_file} has a single distinct prompt, nothing is left "
+                             "to train on; give more prompts or a separate data.test_prompts file")
+        return train, test
+    return train, load_prompt_set(data_cfg.test_prompts, key="data.test_prompts")
+
+
+def rank_block(num_items: int, rank: int, world_size: int) -> range:
+    """Rank r's contiguous block of range(num_items) split into world_size parts: the first
+    num_items % world_size ranks take one item more. Every item is on exactly one rank."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    base, extra = divmod(num_items, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Metrics to console, metrics.jsonl and TensorBoard; phase timers; sample grids; the reward curve.
+"""Metrics to console, metrics.jsonl, TensorBoard and (optionally) W&B; phase timers; sample grids with
+captions; the reward and phase plots (plots/reward.png, plots/phases.png).
 
 Every metric name is documented in docs/metrics.md. Only rank 0 writes.
 """
@@ -53,20 +54,50 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return out
 
 
-class MetricsLogger:
-    CONSOLE_KEYS = ("rollout/reward/raw_mean", "rollout/reward/raw_std", "train/loss", "train/clipfrac",
-                    "train/approx_kl", "train/grad_norm", "train/log_prob_mean_abs_diff", "time/total_s")
+def require_wandb():
+    """The wandb module, or a ValueError that says how to get it (or turn W&B off)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ValueError("run.wandb=true but the wandb package is not installed: `pip install wandb` (and "
+                         "`wandb login`, or WANDB_MODE=offline), or set run.wandb=false") from e
+    return wandb
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
-        self.enabled, self.run_dir, self.writer = enabled, run_dir, None
+
+class MetricsLogger:
+    """metrics.jsonl (+ TensorBoard, + Weights & Biases) on the main rank; the other ranks log nothing.
+
+    W&B: the run id is kept in <run>/wandb_run_id, so a resumed run continues the same W&B run. The
+    wandb import is checked on every rank (one clear error instead of rank 0 failing alone)."""
+
+    CONSOLE_KEYS = ("rollout/reward/raw_mean", "rollout/reward/raw_std", "eval/reward/raw_mean", "train/loss",
+                    "train/clipfrac", "train/approx_kl", "train/grad_norm", "train/log_prob_mean_abs_diff",
+                    "time/total_s")
+    CONSOLE_LABELS = {"eval/reward/raw_mean": "eval_reward"}
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: bool = False, config=None):
+        self.enabled, self.run_dir, self.writer, self.wandb_run = enabled, Path(run_dir), None, None
+        wandb_module = require_wandb() if wandb else None
         if not enabled:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if wandb_module is not None:
+            self.wandb_run = self._init_wandb(wandb_module, config)
+
+    def _init_wandb(self, wandb_module, config):
+        import secrets
+
+        id_file = self.run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(8)
+        id_file.write_text(run_id + "\n")
+        project = config.run.wandb_project if config is not None else "imagerl"
+        return wandb_module.init(project=project, name=self.run_dir.name, id=run_id, resume="allow",
+                                 dir=str(self.run_dir), config=config.to_dict() if config is not None else None)
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of rollouts after the checkpoint so the file has no duplicates."""
@@ -80,18 +111,28 @@ class MetricsLogger:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
+                   and not isinstance(v, bool) and math.isfinite(v)}
         if self.writer is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
             self.writer.flush()
-        shown = "  ".join(f"{k.split('/')[-1] if k.count('/') == 1 else k.split('/', 1)[1]}={_fmt(metrics[k])}"
-                          for k in self.CONSOLE_KEYS if k in metrics)
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
+        shown = "  ".join(f"{self._label(k)}={_fmt(metrics[k])}" for k in self.CONSOLE_KEYS if k in metrics)
         echo(f"[rollout {step}] {shown}")
+
+    def _label(self, key: str) -> str:
+        if key in self.CONSOLE_LABELS:
+            return self.CONSOLE_LABELS[key]
+        return key.split("/")[-1] if key.count("/") == 1 else key.split("/", 1)[1]
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
 
 
 def _clean(v):
@@ -106,51 +147,189 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def save_image_grid(images_B3HW: torch.Tensor, rewards_B: torch.Tensor, path: Path, columns: int = 8) -> None:
-    """A grid of sample images with each reward written under its tile."""
+# ---------------------------------------------------------------- image grids
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, ImportError, OSError):  # Pillow < 10.1 or without FreeType: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def wrap_text(text: str, width_px: float, measure, max_lines: int) -> list[str]:
+    """Greedy word wrap to `width_px` (measure(str) -> pixels); words wider than a line are broken; more
+    than max_lines lines are cut, the last one ending in '...'."""
+    lines, current = [], ""
+    for word in text.split():
+        trial = f"{current} {word}" if current else word
+        if measure(trial) <= width_px:
+            current = trial
+            continue
+        if current:
+            lines.append(current)
+        current = word
+        while measure(current) > width_px and len(current) > 1:
+            cut = max(1, max(i for i in range(1, len(current) + 1) if i == 1 or measure(current[:i]) <= width_px))
+            lines.append(current[:cut])
+            current = current[cut:]
+    if current:
+        lines.append(current)
+    if len(lines) > max_lines:
+        last = lines[max_lines - 1]
+        while last and measure(last + "...") > width_px:
+            last = last[:-1]
+        lines = lines[: max_lines - 1] + [last.rstrip() + "..."]
+    return lines
+
+
+def save_image_grid(images_B3HW: torch.Tensor, rewards_B: torch.Tensor, path: Path, columns: int = 8,
+                    captions: list[str] | None = None, caption_lines: int = 3) -> None:
+    """A grid of sample images; under each tile its reward and, with `captions`, its prompt (wrapped to
+    the tile width, at most caption_lines lines, '...' when cut)."""
     from PIL import Image, ImageDraw
 
     b, _, h, w = images_B3HW.shape
-    columns = min(columns, b)
+    if captions is not None and len(captions) != b:
+        raise ValueError(f"{len(captions)} captions for {b} images")
+    columns = max(1, min(columns, b))
     rows = math.ceil(b / columns)
-    label = 12
+    font = _font(max(10, min(16, w // 32)))
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    line_h = font.getbbox("Ag|")[3] + 2
+    measure = lambda text: probe.textlength(text, font=font)  # noqa: E731
+    wrapped = [wrap_text(c, w - 4, measure, caption_lines) for c in captions] if captions is not None else None
+    label = line_h * (1 + (max((len(x) for x in wrapped), default=0) if wrapped else 0)) + 2
     grid = Image.new("RGB", (columns * w, rows * (h + label)), "white")
     draw = ImageDraw.Draw(grid)
-    arrays = (images_B3HW.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    arrays = (images_B3HW.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     for i, array in enumerate(arrays):
         x, y = (i % columns) * w, (i // columns) * (h + label)
         grid.paste(Image.fromarray(array), (x, y))
-        draw.text((x + 2, y + h), f"{float(rewards_B[i]):.3g}", fill="black")
+        draw.text((x + 2, y + h + 1), f"{float(rewards_B[i]):.4g}", fill="black", font=font)
+        for j, line in enumerate(wrapped[i] if wrapped else []):
+            draw.text((x + 2, y + h + 1 + (j + 1) * line_h), line, fill=(70, 70, 70), font=font)
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
 
 
-def plot_reward_curve(run_dir: Path, out: Path | None = None) -> Path:
-    """reward_curve.png from metrics.jsonl: raw mean reward per rollout with a +-std band."""
+# ---------------------------------------------------------------- metrics.jsonl and plots
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of <run_dir>/metrics.jsonl in file order. A cut-off last line (a crash while writing)
+    is skipped; any other unreadable line is a ValueError naming it."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} has no metrics.jsonl; is it an imagerl run directory?")
+    lines = path.read_text().splitlines()
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno == len(lines):
+                break
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+        if not isinstance(record, dict) or "step" not in record:
+            raise ValueError(f"{path}:{lineno}: not a metrics record (a JSON object with a 'step')")
+        records.append(record)
+    return records
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pairs], [float(p[1]) for p in pairs]
+
+
+def plot_rewards(records: list[dict], out: Path, title: str = "") -> Path:
+    """Train reward (rollout/reward/raw_mean with a +-raw_std band) and held-out reward
+    (eval/reward/raw_mean, markers) against rollout; either may be absent."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{run_dir} has no metrics.jsonl; is it an imagerl run directory?")
-    records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-    steps = [r["step"] for r in records]
-    mean = [r.get("rollout/reward/raw_mean") for r in records]
-    std = [r.get("rollout/reward/raw_std") or 0.0 for r in records]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, mean, marker="o", ms=3, label="reward (raw mean)")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    steps, mean = _series(records, "rollout/reward/raw_mean")
+    if steps:
+        std = dict(zip(*_series(records, "rollout/reward/raw_std")))
+        lo = [m - std.get(s, 0.0) for s, m in zip(steps, mean)]
+        hi = [m + std.get(s, 0.0) for s, m in zip(steps, mean)]
+        ax.fill_between(steps, lo, hi, alpha=0.2, color="C0", linewidth=0, label="train reward ± std")
+        ax.plot(steps, mean, color="C0", marker="o" if len(steps) < 30 else None, ms=3, label="train reward (mean)")
+    eval_steps, eval_mean = _series(records, "eval/reward/raw_mean")
+    if eval_steps:
+        ax.plot(eval_steps, eval_mean, color="C3", marker="D", ms=6, linestyle="--", label="held-out reward (eval)")
+    if not steps and not eval_steps:
+        ax.text(0.5, 0.5, "no reward logged yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("rollout")
     ax.set_ylabel("reward")
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if steps or eval_steps:
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(out) if out else Path(run_dir) / "reward_curve.png"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+PHASES = ("rollout", "reward", "train", "eval")
+
+
+def plot_phases(records: list[dict], out: Path, title: str = "") -> Path:
+    """Stacked wall seconds per phase (time/<phase>_s) for each rollout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    phases = [p for p in PHASES if any(f"time/{p}_s" in r for r in records)]
+    phases += sorted({k[5:-2] for r in records for k in r if k.startswith("time/") and k.endswith("_s")}
+                     - set(phases) - {"total", "reward_compute"})
+    timed = [r for r in records if any(f"time/{p}_s" in r for p in phases)]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    steps = [r["step"] for r in timed]
+    bottom = [0.0] * len(timed)
+    for i, phase in enumerate(phases):
+        values = [float(r.get(f"time/{phase}_s") or 0.0) for r in timed]
+        ax.bar(steps, values, bottom=bottom, color=f"C{i}", label=phase, width=0.8)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if not timed:
+        ax.text(0.5, 0.5, "no timings logged yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+    else:
+        ax.legend(fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("rollout")
+    ax.set_ylabel("seconds")
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_reward_curve(run_dir: Path, out: Path | None = None) -> Path:
+    """<run_dir>/plots/reward.png (or `out`) from metrics.jsonl: train reward and held-out reward per rollout."""
+    run_dir = Path(run_dir)
+    return plot_rewards(read_metrics(run_dir), Path(out) if out else run_dir / "plots" / "reward.png",
+                        title=run_dir.resolve().name)
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it", leave: bool = True):

@@ -67,8 +67,11 @@ def _noise(seed: int, purpose: str, step: int, sample_ids: list[int], shape_fn, 
 
 @torch.no_grad()
 def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, window: SDEWindow,
-             initial_noise_BNC: torch.Tensor | None = None, progress=None) -> Rollout:
-    """Sample K images for each prompt group of this rank; record the window's trajectory."""
+             initial_noise_BNC: torch.Tensor | None = None, progress=None, on_batch=None) -> Rollout:
+    """Sample K images for each prompt group of this rank; record the window's trajectory.
+
+    on_batch(images_B3HW, prompts, metadata) is called as each batch is decoded (e.g. to start scoring
+    it while the next batch is generated)."""
     s, seed, k = cfg.sample, cfg.run.seed, cfg.sample.group_size
     prompts_B = [p for p in groups.prompts_G for _ in range(k)]
     metadata_B = [m for m in groups.metadata_G for _ in range(k)]
@@ -110,6 +113,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         traj_out.append(torch.stack(outs, 1))
         log_probs.append(torch.stack(lps, 1))
         images.append(adapter.decode(x, h, w).cpu())
+        if on_batch is not None:
+            on_batch(images[-1], prompts_B[batch], metadata_B[batch])
         if progress is not None:
             progress.update(n)
 
@@ -125,11 +130,12 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
 
 @torch.no_grad()
 def ode_sample(adapter, prompts: list[str], *, num_steps: int, guidance_scale: float, height: int, width: int,
-               initial_noise_BNC: torch.Tensor, negative_prompt: str = " ", batch_size: int = 4) -> torch.Tensor:
+               initial_noise_BNC: torch.Tensor, negative_prompt: str = " ", batch_size: int = 4,
+               max_sequence_length: int = 512) -> torch.Tensor:
     """Deterministic sampling (noise level 0, the Euler ODE) as the family's diffusers pipeline: final
     packed latents (B, N, C), float32. Used by `imagerl sample` and evaluation."""
-    text = adapter.encode_prompts(prompts)
-    negative = adapter.encode_prompts([negative_prompt])[0] if guidance_scale > 1 else None
+    text = adapter.encode_prompts(prompts, max_sequence_length)
+    negative = adapter.encode_prompts([negative_prompt], max_sequence_length)[0] if guidance_scale > 1 else None
     sigmas = adapter.sigmas(num_steps, height, width)
     timesteps = flow_timesteps(sigmas, adapter.scheduler_config)
     out = []

@@ -1,8 +1,7 @@
-"""The Flow-GRPO training loop: sample groups -> roll out -> score -> advantages -> update -> log."""
+"""The Flow-GRPO training loop: sample groups -> roll out (scored as it goes) -> advantages -> update -> log."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -12,91 +11,140 @@ from imagerl.algorithms.flow_grpo import flow_grpo_update
 from imagerl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config, validate
-from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+from imagerl.data import GroupSampler, load_train_test
 from imagerl.distributed.parallel import init_world
-from imagerl.metrics import MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar, save_image_grid
+from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
+                             require_wandb, save_image_grid)
 from imagerl.rewards import RewardError, Scorer
-from imagerl.rewards.registry import check_reward_names
+from imagerl.rewards.registry import check_reward_config
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window
+from imagerl.scoring import AsyncScorer, ScoredRollout
 
 
 def train(cfg: Config, resume: str | None = None) -> Path:
     """Run cfg.train.num_rollouts rollouts (continuing a checkpoint with `resume`); return the run directory."""
     world = init_world(cfg.model.device)
     plan = validate(cfg, world.size)  # every config error before anything slow
-    check_reward_names(cfg.reward.weights)
-    prompts = load_prompt_set(bundled_prompt_file() if cfg.data.train_prompts == "bundled" else cfg.data.train_prompts)
+    check_reward_config(cfg.reward)  # names and model paths, before any model loads
+    if cfg.run.wandb:
+        require_wandb()
+    train_set, test_set = load_train_test(cfg.data)
     run_dir = cfg.output_dir
     resume_from = resolve_resume(resume, run_dir) if resume else None
+    scorer = Scorer(cfg.reward, world.device)
+    for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
+        scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
+
     adapter = load_adapter(cfg, world)
     resolve_family_defaults(cfg, adapter)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
-    scorer = Scorer(cfg.reward.weights, world.device)
-    sampler = GroupSampler(prompts, cfg.sample.prompts_per_rollout, cfg.run.seed, world.rank, world.size)
+    scoring = AsyncScorer(scorer, enabled=cfg.reward.async_scoring)
+    sampler = GroupSampler(train_set, cfg.sample.prompts_per_rollout, cfg.run.seed, world.rank, world.size)
     start = load_checkpoint(resume_from, adapter, optimizer) if resume_from else 0
-    logger = MetricsLogger(run_dir, world.is_main, cfg.run.tensorboard)
+    logger = MetricsLogger(run_dir, world.is_main, cfg.run.tensorboard, wandb=cfg.run.wandb, config=cfg)
     logger.truncate_after(start)
     timer = PhaseTimer(world.device)
+    maybe_eval = _evaluator(cfg, adapter, optimizer, scorer, test_set, world, run_dir, timer)
+    if start == 0 and cfg.eval.before_training:
+        logger.log(0, {**maybe_eval(0, force=True), **timer.pop_metrics()})
     bar = progress_bar(cfg.train.num_rollouts, "rollouts", world.is_main, unit="rollout")
     bar.update(start)
-    window_steps = cfg.sample.num_sde_steps * plan.batches_per_rank
 
     for step in range(start, cfg.train.num_rollouts):
         groups = sampler.groups_for(step)
         window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
                             cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=step)
         with timer("rollout"), progress_bar(plan.samples_per_rank, "  sample", world.is_main, "img", False) as pb:
-            rollout = generate(adapter, groups, cfg, step, window, progress=pb)
+            rollout = generate(adapter, groups, cfg, step, window, progress=pb, on_batch=scoring.submit)
         with timer("reward"):
-            try:
-                rewards = scorer.score(rollout.images_B3HW, rollout.prompts_B, rollout.metadata_B)
-            except RewardError as e:
-                _stop_on_reward_error(e, run_dir, step, adapter, optimizer, cfg, world)
-            if cfg.reward.on_error == "error" and not bool(rewards.valid_B.all()):
-                bad = (~rewards.valid_B).nonzero().flatten().tolist()
-                _stop_on_reward_error(RewardError(f"rewards are NaN/inf for samples {bad[:8]} (reward.on_error=error; "
-                                                  "set reward.on_error=skip to skip such samples)"),
-                                      run_dir, step, adapter, optimizer, cfg, world)
+            scored = scoring.collect()
+            rewards = scored.rewards
             advantages, reward_metrics = rollout_advantages(rewards.total_B, rewards.valid_B, rollout.group_ids_B,
                                                             world, cfg.train.global_std)
-        with timer("train"), progress_bar(window_steps, "  train", world.is_main, "fwd", False) as pb:
+            _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, adapter,
+                           optimizer, world)
+        with timer("train"), progress_bar(plan.batches_per_rank * cfg.sample.num_sde_steps, "  train",
+                                          world.is_main, "fwd", False) as pb:
             stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world, progress=pb)
 
         done = step + 1
-        metrics = {**reward_metrics, **{f"rollout/reward/{k}_mean": world.all_reduce_mean_(v.mean().to(world.device)).item()
-                                        for k, v in rewards.components.items()},
-                   "rollout/sde_window_start": window.start, **stats.as_metrics(), **timer.pop_metrics(),
-                   **memory_metrics(world.device)}
-        metrics["perf/images_per_s"] = plan.samples_per_rank / metrics["time/total_s"] * world.size
+        metrics = {**reward_metrics, **_component_means(rewards, world), "rollout/sde_window_start": window.start,
+                   "time/reward_compute_s": scored.compute_s, **stats.as_metrics()}
+        metrics.update(maybe_eval(done))
+        metrics.update({**timer.pop_metrics(), **memory_metrics(world.device)})
+        iteration_s = metrics["time/total_s"] - metrics.get("time/eval_s", 0.0)
+        metrics["perf/images_per_s"] = plan.samples_per_rank * world.size / iteration_s
         logger.log(done, metrics, echo=bar.write)
         bar.set_postfix(reward=f"{metrics['rollout/reward/raw_mean']:.4g}")
         bar.update(1)
         if world.is_main and cfg.run.image_grid_every and (done % cfg.run.image_grid_every == 0 or done == 1):
-            save_image_grid(rollout.images_B3HW[:16], rewards.total_B[:16], run_dir / "images" / f"rollout_{done:06d}.png")
+            save_image_grid(rollout.images_B3HW[:16], rewards.total_B[:16], run_dir / "images" / f"rollout_{done:06d}.png",
+                            captions=rollout.prompts_B[:16])
+            plot_reward_curve(run_dir)
         if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts:
             if world.is_main:
                 save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints)
             world.barrier()
 
     bar.close()
+    scoring.close()
     logger.close()
     if world.is_main and (run_dir / "metrics.jsonl").is_file():
         plot_reward_curve(run_dir)
     return run_dir
 
 
-def _stop_on_reward_error(error: RewardError, run_dir: Path, step: int, adapter, optimizer, cfg: Config, world):
-    """Save the state before this rollout (nothing is lost), then stop with what to do next."""
+def _evaluator(cfg: Config, adapter, optimizer, scorer, test_set, world, run_dir: Path, timer):
+    """maybe_eval(done, force=False) -> eval metrics every eval.interval rollouts and after the last one.
+    A failing eval reward saves the state after rollout `done` first, so the update is not lost."""
+
+    def maybe_eval(done: int, force: bool = False) -> dict[str, float]:
+        due = cfg.eval.interval and (done % cfg.eval.interval == 0 or done == cfg.train.num_rollouts)
+        if test_set is None or not (force or due):
+            return {}
+        from imagerl.evaluation import evaluate
+
+        try:
+            with timer("eval"):
+                return evaluate(adapter, scorer, test_set, cfg, world, done, run_dir=run_dir if world.is_main else None)
+        except RewardError as e:
+            where = ""
+            if world.is_main and done > 0:
+                path = save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1)
+                where = f"; the state after rollout {done} is saved in {path}"
+            raise RewardError(f"evaluation after rollout {done}: {e}{where}; continue with --resume {run_dir}") from e
+
+    return maybe_eval
+
+
+def _component_means(rewards, world) -> dict[str, float]:
+    """Mean raw value of each reward component over the samples it scored (all ranks)."""
+    out = {}
+    for name, values in rewards.components.items():
+        ok = torch.isfinite(values)
+        sums = torch.tensor([values[ok].sum().item(), ok.sum().item()], dtype=torch.float64, device=world.device)
+        total, count = world.all_reduce_mean_(sums).tolist()
+        out[f"rollout/reward/{name}_mean"] = total / count if count else float("nan")
+    return out
+
+
+def _check_rewards(scored: ScoredRollout, failed_count: int, cfg: Config, run_dir: Path, step: int, adapter,
+                   optimizer, world) -> None:
+    """Stop on a failed or non-finite reward (any rank: failed_count is global, so all ranks stop together)
+    unless reward.on_error=skip; the state before this rollout is saved so nothing is lost."""
+    if cfg.reward.on_error == "skip" or not failed_count:
+        return
+    bad = (~scored.rewards.valid_B).nonzero().flatten().tolist()
+    reason = "; ".join(scored.errors) or (f"rewards are NaN/inf for samples {bad[:8]}" if bad else
+                                          f"{failed_count} rewards failed on other ranks")
     where = ""
     if world.is_main and step > 0:
-        where = f"; state after rollout {step} saved to {save_checkpoint(run_dir, step, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1)}"
-    raise RewardError(f"rollout {step + 1}: {error}{where}. Fix the reward, then continue with "
-                      f"`imagerl train --recipe {cfg.recipe} --resume {run_dir}`") from error
-
-
-def load_run_config(run_dir: Path) -> dict:
-    return json.loads((run_dir / "config.json").read_text())
+        path = save_checkpoint(run_dir, step, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1)
+        where = f"; the state after rollout {step} is saved in {path}"
+    raise RewardError(f"rollout {step + 1}: {reason} (reward.on_error=error; reward.on_error=skip drops such "
+                      f"samples){where}. Fix the reward, then continue with `imagerl train --recipe {cfg.recipe} "
+                      f"--resume {run_dir}`")

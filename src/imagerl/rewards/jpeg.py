@@ -30,7 +30,7 @@ def jpeg_sizes_kb(images_B3HW: torch.Tensor, quality: int = 95) -> torch.Tensor:
 
 @register_reward("jpeg_incompressibility")
 class JpegIncompressibility:
-    def __init__(self, device=None):
+    def __init__(self, cfg=None, device=None):
         pass
 
     def __call__(self, images_B3HW, prompts, metadata):
@@ -39,7 +39,7 @@ class JpegIncompressibility:
 
 @register_reward("jpeg_compressibility")
 class JpegCompressibility:
-    def __init__(self, device=None):
+    def __init__(self, cfg=None, device=None):
         pass
 
     def __call__(self, images_B3HW, prompts, metadata):

@@ -1,9 +1,19 @@
 """Reward registry and the weighted scorer.
 
-A reward is a callable `(images_B3HW, prompts_B, metadata_B) -> (B,) float tensor`, images float in
-[0, 1] on the CPU. Register with `@register_reward("name")` on a class whose constructor takes the
-device. The scorer never turns a failure into a number: an exception becomes a RewardError naming
-the reward, and NaN/inf values are either an error or dropped with a count (reward.on_nan).
+A reward is a class registered with `@register_reward("name")`, constructed as `cls(cfg, device)`
+(cfg: the RewardConfig; device: where its model runs) and called as
+`reward(images_B3HW, prompts_B, metadata_B) -> (B,) floats`, images float in [0, 1] on the CPU. The
+scorer calls it on chunks of at most reward.batch_size images. Optional hooks, both classmethods so
+that they run before any model is loaded:
+
+* `check_config(cfg)`: raise ValueError for a setting the reward cannot work with (e.g. a missing
+  weights directory);
+* `validate_prompts(prompts, metadata)`: raise ValueError naming the first prompt it cannot score
+  (e.g. an OCR prompt without a quoted target), so that a bad prompt file fails when it is loaded
+  instead of giving zeros in the middle of a run.
+
+The scorer never turns a failure into a number: an exception becomes a RewardError naming the reward,
+and a NaN/inf value makes the sample invalid (valid_B False); reward.on_error decides what happens next.
 """
 
 from __future__ import annotations
@@ -12,6 +22,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from imagerl.config import RewardConfig
 
 REWARDS: dict[str, Callable] = {}
 
@@ -37,8 +49,36 @@ def check_reward_names(weights: dict[str, float]) -> None:
         raise ValueError(f"unknown reward(s) {unknown} in reward.weights; available: {', '.join(sorted(REWARDS))}")
 
 
+def check_reward_config(cfg: RewardConfig) -> None:
+    """Names, then each weighted reward's own settings (paths, ...), without loading any model."""
+    check_reward_names(cfg.weights)
+    for name in cfg.weights:
+        check = getattr(REWARDS[name], "check_config", None)
+        if check is not None:
+            check(cfg)
+
+
+def validate_prompts(names, prompts: list[str], metadata: list[dict] | None = None) -> None:
+    """Run the `validate_prompts` hook of each named reward (class-level, no model loaded)."""
+    check_reward_names({n: 1.0 for n in names})
+    for name in names:
+        _validate_with(name, REWARDS[name], prompts, metadata)
+
+
+def _validate_with(name: str, reward, prompts: list[str], metadata: list[dict] | None) -> None:
+    hook = getattr(reward, "validate_prompts", None)
+    if hook is None:
+        return
+    metadata = [{} for _ in prompts] if metadata is None else metadata
+    try:
+        hook(prompts, metadata)
+    except ValueError as e:
+        raise ValueError(f"reward {name!r} cannot score these prompts: {e}") from e
+
+
 def _import_builtin() -> None:
-    from imagerl.rewards import jpeg  # noqa: F401  (registration is an import side effect)
+    # registration is an import side effect; the heavy libraries are imported only when a reward is built
+    from imagerl.rewards import aesthetic, clipscore, jpeg, ocr, pickscore  # noqa: F401
 
 
 @dataclass
@@ -51,23 +91,51 @@ class RewardBatch:
     valid_B: torch.Tensor
 
 
+def reward_device(cfg: RewardConfig, device: torch.device | str) -> torch.device:
+    """reward.device, or the given (policy) device when it is "auto"."""
+    return torch.device(device) if cfg.device == "auto" else torch.device(cfg.device)
+
+
 class Scorer:
-    def __init__(self, weights: dict[str, float], device: torch.device | str = "cpu"):
-        check_reward_names(weights)
-        self.weights = dict(weights)
-        self.models = {name: REWARDS[name](device) for name in weights}
+    """The weighted mixture of cfg.weights. `score` returns every component (for rollout/reward/<name>_mean)
+    and their weighted sum."""
+
+    def __init__(self, cfg: RewardConfig, device: torch.device | str = "cpu"):
+        if not isinstance(cfg, RewardConfig):
+            raise TypeError(f"Scorer takes the RewardConfig (cfg.reward), got {type(cfg).__name__}")
+        if cfg.batch_size < 1:
+            raise ValueError(f"reward.batch_size must be >= 1, got {cfg.batch_size}")
+        check_reward_config(cfg)
+        self.cfg = cfg
+        self.weights = dict(cfg.weights)
+        self.device = reward_device(cfg, device)
+        self.models = {name: REWARDS[name](cfg, self.device) for name in self.weights}
+
+    def validate_prompts(self, prompts: list[str], metadata: list[dict] | None = None) -> None:
+        """ValueError naming the first prompt that one of the rewards cannot score."""
+        for name, model in self.models.items():
+            _validate_with(name, model, prompts, metadata)
 
     def score(self, images_B3HW: torch.Tensor, prompts: list[str], metadata: list[dict]) -> RewardBatch:
         n = images_B3HW.shape[0]
+        if len(prompts) != n or len(metadata) != n:
+            raise ValueError(f"{n} images but {len(prompts)} prompts and {len(metadata)} metadata records")
+        step = self.cfg.batch_size
         components = {}
         total = torch.zeros(n, dtype=torch.float64)
         for name, model in self.models.items():
-            try:
-                values = torch.as_tensor(model(images_B3HW, prompts, metadata), dtype=torch.float64).reshape(-1)
-            except Exception as e:  # noqa: BLE001 - re-raised with the reward's name
-                raise RewardError(f"reward {name!r} failed: {type(e).__name__}: {e}") from e
-            if values.numel() != n:
-                raise RewardError(f"reward {name!r} returned {values.numel()} values for {n} images")
+            parts = []
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
+                try:
+                    values = model(images_B3HW[lo:hi], prompts[lo:hi], metadata[lo:hi])
+                    values = torch.as_tensor(values, dtype=torch.float64).detach().cpu().reshape(-1)
+                except Exception as e:  # noqa: BLE001 - re-raised with the reward's name
+                    raise RewardError(f"reward {name!r} failed: {type(e).__name__}: {e}") from e
+                if values.numel() != hi - lo:
+                    raise RewardError(f"reward {name!r} returned {values.numel()} values for {hi - lo} images")
+                parts.append(values)
+            values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
             components[name] = values
             total += self.weights[name] * values
         return RewardBatch(total, components, torch.isfinite(total))

@@ -57,6 +57,8 @@ def flow_sigmas(num_steps: int, image_seq_len: int, scheduler_config: Mapping,
         shift = scheduler_config.get("shift", 1.0)
         sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
     terminal = scheduler_config.get("shift_terminal")
+    if terminal and num_steps < 2:
+        raise ValueError("1 sampling step with shift_terminal stretches 0/0 (diffusers returns NaN); use >= 2 steps")
     if terminal:
         one_minus = 1 - sigmas
         sigmas = 1 - (one_minus / (one_minus[-1] / (1 - terminal)))

@@ -1,0 +1,280 @@
+"""Held-out evaluation: deterministic ODE samples of the test prompts, scored, gathered over ranks.
+
+Image i of the test set (its global index) always starts from the noise of (eval.seed, "eval", i),
+so an evaluation does not depend on the batch size, the number of ranks or the step it runs at:
+the reward changes only when the weights change. Sampling is the Euler ODE (rollout.ode_sample,
+noise level 0) with eval.num_steps steps and eval.guidance_scale (else sample.guidance_scale, else
+the family's default) at sample.height x sample.width.
+
+Ranks: rank r evaluates the contiguous block r of the test prompts split into world.size parts
+(data.rank_block; the first N % W ranks take one more), so every prompt is evaluated exactly once.
+Per-sample rewards are padded to the largest block, all-gathered and unpadded, so every rank returns
+the same metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from imagerl.data import PromptSet, rank_block
+from imagerl.distributed.parallel import World
+from imagerl.distributed.rng import make_generator
+from imagerl.metrics import progress_bar, save_image_grid
+from imagerl.rewards.registry import RewardError
+from imagerl.rollout import ode_sample
+
+GRID_IMAGES = 16
+
+
+@dataclass
+class EvalSettings:
+    num_steps: int
+    guidance_scale: float
+    height: int
+    width: int
+    seed: int
+    batch_size: int
+    negative_prompt: str
+    num_prompts: int
+    max_sequence_length: int = 512
+
+
+@dataclass
+class EvalResult:
+    """Everything one evaluation produced, identical on every rank except `errors` and `grid_images_B3HW`.
+
+    total_N / components (name -> (N,)) float64 and valid_N bool are per test prompt in test-set order
+    (NaN where a reward failed); grid_images_B3HW: the first min(16, N) images (rank 0 only, else None)."""
+
+    metrics: dict[str, float]
+    settings: EvalSettings
+    prompts: list[str]
+    total_N: torch.Tensor
+    components: dict[str, torch.Tensor]
+    valid_N: torch.Tensor
+    errors: list[str] = field(default_factory=list)
+    grid_images_B3HW: torch.Tensor | None = None
+
+
+def eval_settings(cfg, adapter, test_set: PromptSet) -> EvalSettings:
+    e, s = cfg.eval, cfg.sample
+    guidance = e.guidance_scale if e.guidance_scale is not None else s.guidance_scale
+    if guidance is None:
+        guidance = adapter.default_guidance_scale
+    n = len(test_set) if e.max_prompts <= 0 else min(e.max_prompts, len(test_set))
+    return EvalSettings(e.num_steps, float(guidance), s.height, s.width, e.seed, e.batch_size, s.negative_prompt, n,
+                        s.max_sequence_length)
+
+
+def eval_noise(adapter, seed: int, indices, height: int, width: int) -> torch.Tensor:
+    """Initial noise (B, N, C) of the test images with these global indices: image i from (seed, "eval", i)."""
+    return torch.cat([adapter.initial_noise([make_generator(seed, "eval", i)], height, width) for i in indices])
+
+
+@torch.no_grad()
+def run_evaluation(adapter, scorer, test_set: PromptSet, cfg, world: World, progress: bool = True,
+                   reward_names: list[str] | None = None) -> EvalResult:
+    """Sample and score this rank's block of the test prompts, gather the rewards of all ranks.
+
+    reward_names: the components to report (default: the names in cfg.reward.weights, the rewards the
+    scorer was built from). With reward.on_error=error a failed or non-finite reward raises RewardError
+    on every rank (after the gather, so no rank is left waiting); with skip it is counted."""
+    start_time = time.perf_counter()
+    settings = eval_settings(cfg, adapter, test_set)
+    n, h, w = settings.num_prompts, settings.height, settings.width
+    if n == 0:
+        raise ValueError("the held-out prompt set is empty")
+    names = list(reward_names if reward_names is not None else cfg.reward.weights)
+    adapter.transformer.eval()
+    block = rank_block(n, world.rank, world.size)
+    first_block = len(rank_block(n, 0, world.size))
+    grid_count = min(GRID_IMAGES, n)
+    keep = max(0, min(block.stop, grid_count) - block.start)  # this rank's images among the first grid_count
+
+    rows, errors, kept_images = [], [], []
+    bar = progress_bar(len(block), "eval", progress and world.is_main, unit="img", leave=False)
+    for start in range(block.start, block.stop, settings.batch_size):
+        idx = range(start, min(start + settings.batch_size, block.stop))
+        prompts = [test_set.prompts[i] for i in idx]
+        metadata = [test_set.metadata[i] if i < len(test_set.metadata) else {} for i in idx]
+        latents = ode_sample(adapter, prompts, num_steps=settings.num_steps, guidance_scale=settings.guidance_scale,
+                             height=h, width=w, initial_noise_BNC=eval_noise(adapter, settings.seed, idx, h, w),
+                             negative_prompt=settings.negative_prompt, batch_size=len(idx),
+                             max_sequence_length=settings.max_sequence_length)
+        images = adapter.decode(latents, h, w).float().cpu()
+        rows.append(_score_rows(scorer, images, prompts, metadata, names, errors))
+        if len(kept_images) < keep:
+            kept_images.extend(images[: keep - len(kept_images)])
+        bar.update(len(idx))
+    bar.close()
+
+    width_cols = 2 + len(names)  # total, valid, components...
+    local = torch.full((first_block, width_cols), float("nan"), dtype=torch.float64)
+    if rows:
+        mine = torch.cat(rows)
+        local[: mine.shape[0]] = mine
+    table = unpad_gathered(world.all_gather(local.to(world.device)).cpu(), n, world.size)
+    total, valid = table[:, 0], table[:, 1] == 1
+    components = {name: table[:, 2 + j] for j, name in enumerate(names)}
+    grid = _gather_grid(kept_images, n, grid_count, world, h, w)
+
+    failed = int((~valid).sum())
+    if failed and cfg.reward.on_error == "error":
+        where = "; ".join(errors[:2]) or "on other ranks, or NaN/inf values"
+        raise RewardError(f"evaluation: {failed} of {n} held-out samples have no finite reward ({where}); "
+                          "reward.on_error=error (reward.on_error=skip counts them in eval/reward/failed_count)")
+    ok = total[valid]
+    metrics: dict[str, float] = {
+        "eval/reward/raw_mean": ok.mean().item() if ok.numel() else float("nan"),
+        "eval/reward/raw_std": ok.std(correction=0).item() if ok.numel() else float("nan"),
+    }
+    for name, values in components.items():
+        finite = values[torch.isfinite(values)]
+        metrics[f"eval/reward/{name}_mean"] = finite.mean().item() if finite.numel() else float("nan")
+    metrics["eval/reward/failed_count"] = failed
+    metrics["eval/num_prompts"] = n
+    metrics["time/eval_s"] = time.perf_counter() - start_time
+    return EvalResult(metrics, settings, list(test_set.prompts[:n]), total, components, valid, errors, grid)
+
+
+def unpad_gathered(gathered: torch.Tensor, n: int, world_size: int) -> torch.Tensor:
+    """Rows of the n items in global order from an all_gather of per-rank blocks (data.rank_block) each padded
+    to rank 0's block length."""
+    pad = len(rank_block(n, 0, world_size))
+    if gathered.shape[0] != pad * world_size:
+        raise ValueError(f"gathered {gathered.shape[0]} rows, expected {world_size} blocks of {pad}")
+    return torch.cat([gathered[r * pad : r * pad + len(rank_block(n, r, world_size))] for r in range(world_size)])
+
+
+def _score_rows(scorer, images, prompts, metadata, names, errors) -> torch.Tensor:
+    """(B, 2 + len(names)) float64: total, valid (1/0), then each component (NaN when missing or failed)."""
+    b = images.shape[0]
+    out = torch.full((b, 2 + len(names)), float("nan"), dtype=torch.float64)
+    out[:, 1] = 0
+    try:
+        rewards = scorer.score(images, prompts, metadata)
+    except RewardError as e:
+        errors.append(str(e))
+        return out
+    total = torch.as_tensor(rewards.total_B, dtype=torch.float64).reshape(-1).cpu()
+    valid = torch.as_tensor(rewards.valid_B).reshape(-1).cpu().bool() & torch.isfinite(total)
+    out[:, 0] = total
+    out[:, 1] = valid.double()
+    for j, name in enumerate(names):
+        if name in rewards.components:
+            out[:, 2 + j] = torch.as_tensor(rewards.components[name], dtype=torch.float64).reshape(-1).cpu()
+    return out
+
+
+def _gather_grid(kept: list[torch.Tensor], n: int, grid_count: int, world: World, h: int, w: int) -> torch.Tensor | None:
+    """The first grid_count test images on rank 0 (None elsewhere). They are all on rank 0 unless its block
+    is shorter; then the ranks holding some send them (uint8, padded to rank 0's count) in one all_gather.
+    Every rank takes the same branch (it depends on n and the world size only)."""
+    first_block = len(rank_block(n, 0, world.size))
+    if first_block >= grid_count:
+        return torch.stack(kept) if world.is_main and kept else None
+    local = torch.zeros((first_block, 3, h, w), dtype=torch.uint8)
+    if kept:
+        local[: len(kept)] = (torch.stack(kept).clamp(0, 1) * 255).round().to(torch.uint8)
+    gathered = world.all_gather(local.to(world.device)).cpu()
+    if not world.is_main:
+        return None
+    blocks = [rank_block(n, r, world.size) for r in range(world.size)]
+    counts = [max(0, min(block.stop, grid_count) - block.start) for block in blocks]
+    return torch.cat([gathered[r * first_block : r * first_block + c] for r, c in enumerate(counts)]).float() / 255
+
+
+def evaluate(adapter, scorer, test_set: PromptSet, cfg, world: World, step: int, run_dir: Path | None = None,
+             progress: bool = True) -> dict[str, float]:
+    """Held-out metrics (eval/reward/raw_mean, raw_std, <name>_mean, failed_count, eval/num_prompts, time/eval_s),
+    the same on every rank. On rank 0 with run_dir: a grid of the first 16 images with prompts and rewards
+    at run_dir/images/eval_<step:06d>.png. Leaves the adapter in eval mode."""
+    result = run_evaluation(adapter, scorer, test_set, cfg, world, progress=progress)
+    if world.is_main and run_dir is not None:
+        save_eval_grid(result, Path(run_dir) / "images" / f"eval_{step:06d}.png")
+    return result.metrics
+
+
+def save_eval_grid(result: EvalResult, path: Path) -> Path | None:
+    if result.grid_images_B3HW is None:
+        return None
+    k = result.grid_images_B3HW.shape[0]
+    save_image_grid(result.grid_images_B3HW, result.total_N[:k], path, columns=min(8, k), captions=result.prompts[:k])
+    return path
+
+
+def cli_evaluate(args) -> EvalResult:
+    """`imagerl eval`: load the model (+ LoRA), evaluate a prompt file, write eval.json and eval_grid.png.
+    Runs on one process or under torchrun (each rank evaluates its block; rank 0 writes)."""
+    import dataclasses
+    import json
+
+    import yaml
+
+    from imagerl.checkpoint import load_lora
+    from imagerl.components import resolve_dtype, resolve_model_path
+    from imagerl.config import Config, _set
+    from imagerl.data import load_prompt_set
+    from imagerl.distributed.parallel import init_world
+    from imagerl.families.registry import family_class
+    from imagerl.metrics import _clean
+    from imagerl.rewards import Scorer
+    from imagerl.rewards.registry import check_reward_config, validate_prompts
+
+    for flag, value, low in (("--steps", args.steps, 1), ("--height", args.height, 1), ("--width", args.width, 1),
+                             ("--batch-size", args.batch_size, 1), ("--max-prompts", args.max_prompts, 0)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    cfg = Config(recipe="eval")
+    cfg.reward.weights = {name: 1.0 for name in (args.reward or ["jpeg_compressibility"])}
+    cfg.reward.on_error = args.on_error
+    for item in args.overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.startswith("reward."):
+            raise ValueError(f"{item!r}: only reward settings can be given here, as reward.key=value "
+                             "(e.g. reward.clip_model=/models/clip-vit-large-patch14)")
+        try:
+            _set(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{item!r}: cannot parse value: {e}") from e
+    check_reward_config(cfg.reward)  # names and reward-model paths, before anything slow
+    test_set = load_prompt_set(args.prompts, key="--prompts")
+    validate_prompts(cfg.reward.weights, test_set.prompts, test_set.metadata)
+
+    world = init_world(args.device)
+    path = resolve_model_path(args.model, world)
+    family = family_class(path, args.family or "auto")
+    adapter = family.from_pretrained(path, world.device, resolve_dtype(args.dtype, world.device))
+    if args.lora:
+        load_lora(adapter, Path(args.lora))
+    cfg.sample.height = args.height or family.default_resolution
+    cfg.sample.width = args.width or family.default_resolution
+    cfg.sample.negative_prompt = args.negative_prompt
+    cfg.eval.num_steps = args.steps or family.default_num_steps
+    cfg.eval.guidance_scale = args.guidance  # None: the family's default
+    cfg.eval.seed, cfg.eval.batch_size, cfg.eval.max_prompts = args.seed, args.batch_size, args.max_prompts
+    scorer = Scorer(cfg.reward, world.device)
+
+    result = run_evaluation(adapter, scorer, test_set, cfg, world)
+    if world.is_main:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        samples = [{"index": i, "prompt": p, "reward": _clean(result.total_N[i].item()),
+                    "valid": bool(result.valid_N[i]),
+                    **{name: _clean(v[i].item()) for name, v in result.components.items()}}
+                   for i, p in enumerate(result.prompts)]
+        record = {"model": str(args.model), "family": adapter.name, "lora": args.lora, "prompts": str(args.prompts),
+                  "rewards": cfg.reward.weights, "settings": dataclasses.asdict(result.settings),
+                  "ranks": world.size, "metrics": {k: _clean(v) for k, v in result.metrics.items()}, "samples": samples}
+        (out / "eval.json").write_text(json.dumps(record, indent=1) + "\n")
+        grid = save_eval_grid(result, out / "eval_grid.png")
+        width = max(len(k) for k in result.metrics)
+        for key, value in result.metrics.items():
+            print(f"{key:<{width}}  {value:.6g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+        print(f"wrote {out / 'eval.json'}" + (f" and {grid}" if grid else ""))
+    world.barrier()
+    return result
