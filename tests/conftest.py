@@ -27,5 +27,6 @@ def tiny_config(checkpoint: Path, run_dir: Path, *overrides: str):
 
     base = [f"model.path={checkpoint}", "model.device=cpu", "sample.height=64", "sample.width=64", "sample.prompts_per_rollout=2",
             "sample.group_size=2", "sample.batch_size=2", "train.num_rollouts=2", "run.tensorboard=false",
-            "run.image_grid_every=0", f"run.output_dir={run_dir}"]
+            "run.image_grid_every=0", f"run.output_dir={run_dir}", "eval.interval=0", "eval.before_training=false",
+            "data.test_prompts="]
     return load_config("quickstart", base + list(overrides))
