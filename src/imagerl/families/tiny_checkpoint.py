@@ -50,13 +50,14 @@ def _bundled_prompts() -> list[str]:
     return load_prompts(bundled_prompt_file())
 
 
-def build_tiny_tokenizer(vocab_size: int = 1024, template: str = QWEN_IMAGE_TEMPLATE, model_max_length: int = 32768):
-    """A Qwen2Tokenizer whose BPE is trained on a prompt template and the bundled prompts."""
+def build_tiny_tokenizer(vocab_size: int = 1024, template: str = QWEN_IMAGE_TEMPLATE, model_max_length: int = 32768,
+                         extra_corpus: list[str] = ()):
+    """A Qwen2Tokenizer whose BPE is trained on a prompt template, the bundled prompts and `extra_corpus`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, Regex
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    corpus = [template.format(p) for p in _bundled_prompts()]
+    corpus = [template.format(p) for p in [*_bundled_prompts(), *extra_corpus]]
     corpus += [template.format("")] * 64  # make every template word a single token
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
