@@ -79,6 +79,7 @@ def _validate_with(name: str, reward, prompts: list[str], metadata: list[dict] |
 def _import_builtin() -> None:
     # registration is an import side effect; the heavy libraries are imported only when a reward is built
     from imagerl.rewards import aesthetic, clipscore, jpeg, ocr, pickscore  # noqa: F401
+    from imagerl.rewards import shapes  # noqa: F401
 
 
 @dataclass
