@@ -6,6 +6,10 @@
   optimizer.pt                                           AdamW state
   rng.pt                                                 torch / python / numpy global RNG states
   state.json                                             rollout step, config
+Full fine-tuning (`imagerl sft` with lora_rank=0) writes, instead of lora/:
+  model/                                                 a complete diffusers-format checkpoint: the base
+                                                         checkpoint's other components as symlinks, the
+                                                         trained transformer/ (float32 master weights)
 A checkpoint is built in a temporary sibling directory and renamed into place, so a crash never
 leaves a half-written checkpoint under a final name. Every random stream of a run is derived from
 (seed, step, ...) (distributed/rng.py), so resuming from step n reproduces the uninterrupted run.
@@ -56,11 +60,29 @@ def load_lora(adapter, directory: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, keep: int) -> Path:
+    final, tmp = _begin(run_dir, step)
+    save_lora(adapter, tmp / "lora")
+    return _commit(run_dir, step, final, tmp, optimizer, config, keep)
+
+
+def save_full_checkpoint(run_dir: Path, step: int, transformer, base: Path, optimizer, config: dict,
+                         keep: int) -> Path:
+    """Like save_checkpoint for a fully fine-tuned transformer: model/ is `base` with this transformer (its
+    float32 master weights), the other components symlinked, so `--model <checkpoint>/model` loads it."""
+    final, tmp = _begin(run_dir, step)
+    save_model_dir(base, transformer, tmp / "model", link=True)
+    return _commit(run_dir, step, final, tmp, optimizer, config, keep)
+
+
+def _begin(run_dir: Path, step: int) -> tuple[Path, Path]:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_lora(adapter, tmp / "lora")
+    return final, tmp
+
+
+def _commit(run_dir: Path, step: int, final: Path, tmp: Path, optimizer, config: dict, keep: int) -> Path:
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "rng.pt")
@@ -70,6 +92,26 @@ def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, 
     tmp.rename(final)
     _prune(run_dir, keep)
     return final
+
+
+def save_model_dir(base: Path, transformer, out: Path, link: bool) -> Path:
+    """A complete diffusers-format checkpoint at `out`: every entry of the checkpoint directory `base` but its
+    transformer/ (symlinked when `link`, else copied, links followed), and `transformer` saved with
+    save_pretrained (in its current dtype) as transformer/."""
+    base = Path(base).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(base.iterdir()):
+        if entry.name == "transformer" or entry.name.startswith("."):
+            continue
+        target = out / entry.name
+        if link:
+            target.symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+        elif entry.is_dir():
+            shutil.copytree(entry.resolve(), target)
+        else:
+            shutil.copy2(entry.resolve(), target)
+    transformer.save_pretrained(out / "transformer", safe_serialization=True)
+    return out
 
 
 def _prune(run_dir: Path, keep: int) -> None:
@@ -99,6 +141,42 @@ def load_checkpoint(path: Path, adapter, optimizer) -> int:
     """Restore LoRA, optimizer and RNG; return the rollout step the checkpoint was taken after."""
     state = load_file(path / "lora" / "adapter_model.safetensors")
     adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
+    return _restore(path, optimizer)
+
+
+def load_full_checkpoint(path: Path, transformer, optimizer) -> int:
+    """Restore a save_full_checkpoint: the transformer's weights (in place, float32), optimizer and RNG; return
+    the step."""
+    if not (path / "model" / "transformer").is_dir():
+        raise ValueError(f"{path} is not a full fine-tuning checkpoint (no model/transformer/); it was written by "
+                         "a LoRA run: resume with the same lora_rank")
+    saved = type(transformer).from_pretrained(path / "model", subfolder="transformer", torch_dtype=torch.float32)
+    transformer.load_state_dict(saved.state_dict())
+    del saved
+    return _restore(path, optimizer)
+
+
+def merged_lora_transformer(base: Path, lora_dir: Path):
+    """The base checkpoint's transformer (float32, CPU) with the PEFT LoRA of `lora_dir` merged into its weights
+    (diffusers fuse_lora, then the LoRA layers removed): a plain transformer with no adapter."""
+    import diffusers
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+
+    index = json.loads((Path(base) / "model_index.json").read_text())
+    cls = getattr(diffusers, index["transformer"][1])
+    transformer = cls.from_pretrained(base, subfolder="transformer", torch_dtype=torch.float32)
+    transformer.add_adapter(LoraConfig.from_pretrained(str(lora_dir)))
+    state = load_file(lora_dir / "adapter_model.safetensors")
+    result = set_peft_model_state_dict(transformer, {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
+    if getattr(result, "unexpected_keys", []):
+        raise ValueError(f"{lora_dir}: LoRA keys the base transformer does not have: {result.unexpected_keys[:3]}")
+    transformer.fuse_lora()
+    transformer.unload_lora()
+    return transformer
+
+
+def _restore(path: Path, optimizer) -> int:
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])

@@ -1,4 +1,4 @@
-"""imagerl command line: train | sample | eval | make-tiny-checkpoint | recipes | report."""
+"""imagerl command line: train | sample | eval | sft | make-tiny-checkpoint | make-synthetic-data | recipes | report."""
 
 from __future__ import annotations
 
@@ -22,12 +22,46 @@ def _train(args) -> int:
     return 0
 
 
+def _sft(args) -> int:
+    import yaml
+
+    from imagerl.sft import SFTConfig, export_model, load_sft_config, sft
+
+    if args.export:
+        if args.model or args.data or args.resume or args.overrides:
+            raise ValueError("--export RUN_DIR OUT_DIR takes no --model/--data/--resume/overrides")
+        print(f"wrote {export_model(args.export[0], args.export[1], dtype=args.export_dtype, link=args.link)}")
+        return 0
+    saved = Path(args.output_dir or SFTConfig.output_dir) / "sft_config.yaml"
+    base = yaml.safe_load(saved.read_text()) if args.resume and saved.is_file() else None
+    flags = [f"model={args.model}"] if args.model else []
+    flags += [f"data={args.data}"] if args.data else []
+    flags += [f"family={args.family}"] if args.family else []
+    flags += [f"output_dir={args.output_dir}"] if args.output_dir else []
+    cfg = load_sft_config(flags + args.overrides, base=base)
+    if not cfg.data:
+        raise ValueError("imagerl sft needs --data (a JSONL file or a folder of images with .txt captions)")
+    run = sft(cfg, resume=args.resume)
+    print(f"done: {run.run_dir} (metrics.jsonl, checkpoints/); last checkpoint {run.checkpoint}; a standalone model: "
+          f"imagerl sft --export {run.run_dir} OUT_DIR")
+    return 0
+
+
 def _make_tiny(args) -> int:
     if args.family == "qwen_image":
         from imagerl.families.tiny_checkpoint import make_tiny_qwen_image as make
     else:
         from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21 as make
     print(f"wrote {make(args.directory, seed=args.seed)}")
+    return 0
+
+
+def _make_synthetic(args) -> int:
+    from imagerl.synthetic import generate_dataset
+
+    out = generate_dataset(args.out_dir, args.n, seed=args.seed, size=args.size, num_test_prompts=args.num_test_prompts)
+    print(f"wrote {args.n} images to {out / 'images'}, {out / 'captions.jsonl'}, {out / 'prompts_train.txt'}, "
+          f"{out / 'prompts_test.txt'} (score with reward.weights={{shapes: 1.0}})")
     return 0
 
 
@@ -65,6 +99,15 @@ def _eval(args) -> int:
     from imagerl.evaluation import cli_evaluate
 
     cli_evaluate(args)
+    return 0
+
+
+def _build_quickstart_model(args) -> int:
+    from imagerl.quickstart_model import build_quickstart_model
+
+    build_quickstart_model(args.directory, args.work_dir, num_images=args.num_images, seed=args.seed,
+                           vae_steps=args.vae_steps, sft_steps=args.sft_steps, sft_batch=args.sft_batch,
+                           device=args.device)
     return 0
 
 
@@ -115,11 +158,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="eval_out", help="directory for eval.json and eval_grid.png (default: eval_out)")
     p.add_argument("overrides", nargs="*", help="reward settings, e.g. reward.clip_model=/models/clip-vit-large-patch14")
     p.set_defaults(fn=_eval)
+    p = sub.add_parser("sft", help="supervised flow-matching fine-tuning on image-caption pairs (LoRA or full)",
+                       description="Train: imagerl sft --model PATH --data FILE_OR_DIR --output-dir DIR [key=value ...]. "
+                       "Export: imagerl sft --export RUN_DIR OUT_DIR. Settings: docs/sft.md (SFTConfig).")
+    p.add_argument("--model", default=None, help="local diffusers-format checkpoint, or tiny / tiny21 (same as model=)")
+    p.add_argument("--data", default=None, help="JSONL ({\"image\": path, \"prompt\": text} per line) or folder of images + .txt")
+    p.add_argument("--output-dir", default=None, help="run directory (default runs/sft)")
+    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
+    p.add_argument("--resume", default=None, help="'latest', a run directory or a checkpoint directory; settings "
+                   "not given again come from <output-dir>/sft_config.yaml")
+    p.add_argument("--export", nargs=2, metavar=("RUN_DIR", "OUT_DIR"), default=None,
+                   help="write a standalone diffusers checkpoint (LoRA merged) from a run's latest checkpoint")
+    p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="transformer dtype of the export (auto: the base checkpoint's)")
+    p.add_argument("--link", action="store_true", help="export: symlink the base components instead of copying")
+    p.add_argument("overrides", nargs="*", help="SFTConfig fields, e.g. lora_rank=0 lr=1e-5 num_steps=2000")
+    p.set_defaults(fn=_sft)
     p = sub.add_parser("make-tiny-checkpoint", help="write a tiny random checkpoint in the hub layout")
     p.add_argument("directory")
     p.add_argument("--family", default="qwen_image", choices=["qwen_image", "qwen_image21"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_tiny)
+    p = sub.add_parser("make-synthetic-data", help="write a shapes-world data set (images, captions, prompt files)")
+    p.add_argument("out_dir")
+    p.add_argument("--n", type=int, required=True, help="number of training images")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", type=int, default=64, help="image side in px (default 64)")
+    p.add_argument("--num-test-prompts", type=int, default=64, help="held-out captions in prompts_test.txt (default 64)")
+    p.set_defaults(fn=_make_synthetic)
+    p = sub.add_parser("build-quickstart-model", help="build the small pretrained shapes-world model (synthetic "
+                                                      "data, VAE training, SFT); see imagerl/quickstart_model.py")
+    p.add_argument("directory")
+    p.add_argument("--work-dir", default="runs/quickstart-model-build")
+    p.add_argument("--num-images", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vae-steps", type=int, default=3000)
+    p.add_argument("--sft-steps", type=int, default=4000)
+    p.add_argument("--sft-batch", type=int, default=64)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(fn=_build_quickstart_model)
     p = sub.add_parser("recipes", help="list bundled recipes")
     p.set_defaults(fn=_recipes)
     p = sub.add_parser("report", help="summary table of a run; writes plots/reward.png and plots/phases.png")

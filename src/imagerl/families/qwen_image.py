@@ -189,6 +189,23 @@ class QwenImageFamily(FamilyAdapter):
         return cfg_combine(c, u, cond.guidance_scale)
 
     @torch.no_grad()
+    def encode_images(self, images_B3HW: torch.Tensor) -> torch.Tensor:
+        """Packed float32 latents (B, N, C) of images in [0, 1] (H, W multiples of 16): the inverse of decode.
+
+        VAE encode in float32 of 2x - 1 as a one-frame video; the posterior's mean (`latent_dist.mode()`, what
+        the edit pipelines' `_encode_vae_image` take; no sampling), normalised (z - latents_mean) / latents_std as
+        QwenImageImg2ImgPipeline and diffusers' train_dreambooth_lora_qwen_image.py do, then packed into 2x2
+        patches (QwenImagePipeline._pack_latents)."""
+        height, width = images_B3HW.shape[-2:]
+        self.latent_grid(height, width)  # checks the size
+        x = (images_B3HW.to(self.device, self.vae.dtype) * 2 - 1).unsqueeze(2)
+        z = self.vae.encode(x).latent_dist.mode()
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        return pack_latents((z - mean) / std).float()
+
+    @torch.no_grad()
     def decode(self, latents_BNC: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Images (B, 3, H, W) float32 in [0, 1]."""
         h, w = self.latent_grid(height, width)

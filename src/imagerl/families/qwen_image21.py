@@ -244,6 +244,26 @@ class QwenImage21Family(FamilyAdapter):
         return u + cond.guidance_scale * (c - u)
 
     @torch.no_grad()
+    def encode_images(self, images_B3HW: torch.Tensor) -> torch.Tensor:
+        """Packed float32 latents (B, T, C) of images in [0, 1] (H, W multiples of 32): the inverse of decode.
+
+        RGB gets an opaque alpha channel (the pipeline converts condition images to RGBA; a 4-channel RGBA batch
+        is used as is); VAE encode in float32 of 2x - 1 as a one-frame video; the posterior's mean
+        (`latent_dist.mode()`, the pipeline's `_encode_vae_image` with sample_mode="argmax"), normalised
+        (z - latents_mean) / latents_std, flattened as QwenImage21Pipeline._pack_latents."""
+        height, width = images_B3HW.shape[-2:]
+        h, w = self.latent_grid(height, width)
+        x = images_B3HW.to(self.device, self.vae.dtype)
+        if x.shape[1] == 3:
+            x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+        z = self.vae.encode((x * 2 - 1).unsqueeze(2)).latent_dist.mode()
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        z = (z - mean) / std
+        return z.reshape(z.shape[0], cfg.z_dim, h * w).transpose(1, 2).float().contiguous()
+
+    @torch.no_grad()
     def decode_rgba(self, latents_BTC: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The pipeline's images (B, 4, H, W) float32 RGBA in [0, 1]."""
         h, w = self.latent_grid(height, width)
