@@ -277,15 +277,21 @@ def plot_rewards(records: list[dict], out: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     if steps or eval_steps:
         ax.legend(fontsize=8)
+    return _save_figure(fig, out)
+
+
+PHASES = ("rollout", "reward", "train", "eval")
+
+
+def _save_figure(fig, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
     return out
-
-
-PHASES = ("rollout", "reward", "train", "eval")
 
 
 def plot_phases(records: list[dict], out: Path, title: str = "") -> Path:
@@ -317,12 +323,7 @@ def plot_phases(records: list[dict], out: Path, title: str = "") -> Path:
     if title:
         ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save_figure(fig, out)
 
 
 def plot_reward_curve(run_dir: Path, out: Path | None = None) -> Path:
