@@ -52,8 +52,13 @@ def train_vae(images: torch.Tensor, steps: int, device: torch.device, seed: int 
         x = data[torch.randint(0, len(data), (batch_size,), generator=gen).to(device)][:, :, None]
         posterior = vae.encode(x).latent_dist
         recon = vae.decode(posterior.sample()).sample
+        # Foreground (non-white) pixels weigh 10x: with plain MSE the white background dominates and the
+        # VAE lost colour (H200 build, 1200 steps: MSE plateau 0.12, every object grey, reconstructions of
+        # ground truth scored 0.0 by the shapes reward); weighted, a CPU run of 1400 steps at batch 16
+        # reached foreground MSE 0.013 and reconstructions scoring 0.984 (2026-12-02).
+        weight = 1 + 9 * (x.amin(dim=1, keepdim=True) < 0.9).float()
         mse_t = ((recon - x) ** 2).mean()
-        loss = mse_t + 1e-6 * posterior.kl().mean()
+        loss = (weight * (recon - x) ** 2).mean() + 1e-6 * posterior.kl().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
