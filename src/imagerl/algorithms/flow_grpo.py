@@ -75,8 +75,10 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
     num_steps_window = rollout.latents_BSNC.shape[1]
     micro = per_step * num_steps_window
     advantages_B = advantages_B.to(adapter.device, torch.float32)
-    sums = torch.zeros(7, dtype=torch.float64)  # loss, policy, kl, clipfrac, approx_kl, |ratio-1|, count
-    onpolicy_diff, onpolicy_count, grad_norms = 0.0, 0, []
+    # loss, policy, kl, clipfrac, approx_kl, |ratio-1|, count, on-policy |diff|, on-policy count: summed on the
+    # device, read once after the loop (no host sync per micro-step)
+    sums = torch.zeros(9, dtype=torch.float64, device=adapter.device)
+    grad_norms = []
     adapter.transformer.train()
     for opt_step in range(t.num_optimizer_steps):
         optimizer.zero_grad(set_to_none=True)
@@ -96,13 +98,11 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
                 with torch.no_grad():
                     diff = (out.log_prob - old).double()
                     n = diff.numel()
-                    sums += torch.tensor([loss.item() * n, policy_B.sum().item(), kl_B.sum().item(),
-                                          ((ratio - 1).abs() > t.clip_range).double().sum().item(),
-                                          (0.5 * diff**2).sum().item(), (ratio - 1).abs().double().sum().item(), n],
-                                         dtype=torch.float64)
-                    if opt_step == 0:
-                        onpolicy_diff += diff.abs().sum().item()
-                        onpolicy_count += n
+                    on = float(opt_step == 0)
+                    sums += torch.stack([loss.detach().double() * n, policy_B.sum().double(), kl_B.sum().double(),
+                                         ((ratio - 1).abs() > t.clip_range).double().sum(), (0.5 * diff**2).sum(),
+                                         (ratio - 1).abs().double().sum(), diff.new_tensor(n),
+                                         on * diff.abs().sum(), diff.new_tensor(on * n)])
                 if progress is not None:
                     progress.update(1)
         world.all_reduce_grads(params)
@@ -111,8 +111,7 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
     adapter.transformer.eval()
     optimizer.zero_grad(set_to_none=True)
 
-    totals = torch.cat([sums, torch.tensor([onpolicy_diff, onpolicy_count], dtype=torch.float64)])
-    totals = world.all_reduce_mean_(totals.to(world.device)).cpu()  # equal counts per rank: mean of sums is fine
+    totals = world.all_reduce_mean_(sums.to(world.device)).cpu()  # equal counts per rank: mean of sums is fine
     count = totals[6].item()
     return TrainStats(
         loss=totals[0].item() / count, policy_loss=totals[1].item() / count, kl_loss=totals[2].item() / count,
