@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="sample.png", help="PNG path (several prompts: _0, _1, ... appended)")
     p.set_defaults(fn=_sample)
     p = sub.add_parser("eval", help="held-out evaluation: ODE samples of a prompt file, scored (base model or a LoRA)")
-    p.add_argument("--model", required=True, help="local diffusers-format checkpoint (or tiny / tiny21)")
+    p.add_argument("--model", required=True, help="local diffusers-format checkpoint (or quickstart / tiny / tiny21)")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
     p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
     p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl (a 'prompt' field)")
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="supervised flow-matching fine-tuning on image-caption pairs (LoRA or full)",
                        description="Train: imagerl sft --model PATH --data FILE_OR_DIR --output-dir DIR [key=value ...]. "
                        "Export: imagerl sft --export RUN_DIR OUT_DIR. Settings: docs/sft.md (SFTConfig).")
-    p.add_argument("--model", default=None, help="local diffusers-format checkpoint, or tiny / tiny21 (same as model=)")
+    p.add_argument("--model", default=None, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 (same as model=)")
     p.add_argument("--data", default=None, help="JSONL ({\"image\": path, \"prompt\": text} per line) or folder of images + .txt")
     p.add_argument("--output-dir", default=None, help="run directory (default runs/sft)")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")

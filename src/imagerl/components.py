@@ -11,6 +11,8 @@ from imagerl.config import Config
 from imagerl.distributed.parallel import World
 
 TINY_CHECKPOINTS = {"tiny": "tiny-qwen-image-v1", "tiny21": "tiny-qwen-image21-v1"}
+BUNDLED_MODELS = {"quickstart": "quickstart-model"}  # in imagerl/assets; BUILD.json there says how it was made
+NAMED_MODELS = {*TINY_CHECKPOINTS, *BUNDLED_MODELS}
 
 
 def cache_dir() -> Path:
@@ -19,7 +21,12 @@ def cache_dir() -> Path:
 
 def resolve_model_path(spec: str, world: World | None = None) -> Path:
     """"tiny" / "tiny21" -> a tiny random Qwen-Image / Qwen-Image 2.1 checkpoint in the cache (built once,
-    by rank 0); anything else is a checkpoint directory."""
+    by rank 0); "quickstart" -> the pretrained model shipped in imagerl/assets; anything else is a
+    checkpoint directory."""
+    if spec in BUNDLED_MODELS:
+        from importlib import resources
+
+        return Path(str(resources.files("imagerl") / "assets" / BUNDLED_MODELS[spec]))
     if spec not in TINY_CHECKPOINTS:
         return Path(spec).expanduser()
     from imagerl.families.tiny_checkpoint import make_tiny_qwen_image

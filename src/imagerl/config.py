@@ -25,8 +25,9 @@ from imagerl.sampling.window import validate_window
 @dataclass
 class ModelConfig:
     path: str = "tiny"
-    """Local diffusers-format checkpoint directory, or "tiny" / "tiny21" for a tiny random Qwen-Image /
-    Qwen-Image 2.1 built on first use (in $IMAGERL_CACHE or ~/.cache/imagerl)."""
+    """Local diffusers-format checkpoint directory; "quickstart" for the small pretrained shapes-world
+    Qwen-Image shipped with imagerl; or "tiny" / "tiny21" for a tiny random Qwen-Image / Qwen-Image 2.1
+    built on first use (in $IMAGERL_CACHE or ~/.cache/imagerl)."""
     family: str = "auto"
     """Family adapter name ("qwen_image"), or "auto" to resolve from the checkpoint."""
     device: str = "auto"
@@ -47,10 +48,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_prompts: str = "bundled"
-    """.txt (one prompt per line) or .jsonl ("prompt" field); "bundled" = 128 OCR prompts shipped with imagerl."""
+    """.txt (one prompt per line) or .jsonl ("prompt" field), or a set shipped with imagerl: "bundled" (128 OCR
+    prompts), "shapes-train" / "shapes-test" (the shapes world's training captions / held-out captions)."""
     test_prompts: str = ""
-    """Held-out prompts for evaluation: a file, "split" (hold out test_fraction of train_prompts,
-    deterministically), or "" (no evaluation)."""
+    """Held-out prompts for evaluation: a file or shipped set (as train_prompts), "split" (hold out
+    test_fraction of train_prompts, deterministically), or "" (no evaluation)."""
     test_fraction: float = 0.1
     split_seed: int = 0
 
@@ -78,6 +80,9 @@ class SampleConfig:
     """Samples per prompt K (flow_grpo: 16)."""
     batch_size: int = 4
     """Samples per forward per rank (CFG doubles it); training replays the same batches."""
+    same_initial_noise: bool = False
+    """All K samples of a group start from the same initial noise (flow_grpo's `sample.same_latent`): the
+    group's rewards then differ only through the SDE window's noise, the part the update credits."""
     kv_cache: bool = False
     """qwen_image21 only: reuse the text prefix's keys/values across rollout steps (faster rollout). Training
     always runs the full forward: the replay is exact on CPU fp32, but not guaranteed on GPU (an H200 run

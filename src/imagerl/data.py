@@ -27,10 +27,20 @@ import torch
 from imagerl.distributed.rng import make_generator
 
 BUNDLED_PROMPTS = "ocr_prompts_128.txt"  # first 128 lines of flow_grpo's OCR test prompts (MIT)
+# Prompt sets shipped in imagerl/assets, by the name data.train_prompts / data.test_prompts accept.
+# The shapes sets are the prompts files of `imagerl make-synthetic-data DIR --num-images 4096 --seed 0`
+# (the quickstart model's training captions, and 64 captions of held-out scenes: see synthetic.py).
+NAMED_PROMPT_SETS = {"bundled": BUNDLED_PROMPTS, "shapes-train": "shapes_prompts_train.txt",
+                     "shapes-test": "shapes_prompts_test.txt"}
 
 
-def bundled_prompt_file() -> Path:
-    return Path(str(resources.files("imagerl") / "assets" / BUNDLED_PROMPTS))
+def bundled_prompt_file(name: str = "bundled") -> Path:
+    return Path(str(resources.files("imagerl") / "assets" / NAMED_PROMPT_SETS[name]))
+
+
+def resolve_prompt_file(spec: str) -> Path:
+    """A named prompt set (NAMED_PROMPT_SETS) -> its bundled file; anything else is a path."""
+    return bundled_prompt_file(spec) if spec in NAMED_PROMPT_SETS else Path(spec).expanduser()
 
 
 @dataclass
@@ -111,10 +121,10 @@ def split_prompt_set(prompt_set: PromptSet, test_fraction: float, seed: int) -> 
 def load_train_test(data_cfg) -> tuple[PromptSet, PromptSet | None]:
     """The training prompts and the held-out prompts (None when data.test_prompts is empty).
 
-    data.train_prompts: "bundled" or a .txt/.jsonl file. data.test_prompts: "" (no evaluation), "split"
-    (hold out data.test_fraction of the train file's distinct prompts, seeded by data.split_seed; training
-    then uses the rest), or a .txt/.jsonl file."""
-    train_file = bundled_prompt_file() if data_cfg.train_prompts == "bundled" else data_cfg.train_prompts
+    data.train_prompts: a named set (NAMED_PROMPT_SETS) or a .txt/.jsonl file. data.test_prompts: "" (no
+    evaluation), "split" (hold out data.test_fraction of the train file's distinct prompts, seeded by
+    data.split_seed; training then uses the rest), a named set or a .txt/.jsonl file."""
+    train_file = resolve_prompt_file(data_cfg.train_prompts)
     train = load_prompt_set(train_file)
     if not data_cfg.test_prompts:
         return train, None
@@ -124,7 +134,7 @@ def load_train_test(data_cfg) -> tuple[PromptSet, PromptSet | None]:
             raise ValueError(f"data.test_prompts=split: {train_file} has a single distinct prompt, nothing is left "
                              "to train on; give more prompts or a separate data.test_prompts file")
         return train, test
-    return train, load_prompt_set(data_cfg.test_prompts, key="data.test_prompts")
+    return train, load_prompt_set(resolve_prompt_file(data_cfg.test_prompts), key="data.test_prompts")
 
 
 def rank_block(num_items: int, rank: int, world_size: int) -> range:

@@ -83,7 +83,9 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     sigmas = adapter.sigmas(s.num_steps, h, w)
     timesteps = flow_timesteps(sigmas, adapter.scheduler_config)
     if initial_noise_BNC is None:
-        initial_noise_BNC = torch.cat(_noise(seed, "init_noise", rollout_step, sample_ids_B,
+        # same_initial_noise: key the noise by the group's first sample id, so every sample of a group shares it
+        noise_ids = [sid - sid % k for sid in sample_ids_B] if s.same_initial_noise else sample_ids_B
+        initial_noise_BNC = torch.cat(_noise(seed, "init_noise", rollout_step, noise_ids,
                                              lambda g: adapter.initial_noise([g], h, w)))
     if initial_noise_BNC.shape[0] != len(prompts_B):
         raise ValueError(f"initial noise has {initial_noise_BNC.shape[0]} rows for {len(prompts_B)} samples")

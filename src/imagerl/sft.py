@@ -25,7 +25,7 @@ import yaml
 
 from imagerl.checkpoint import (load_checkpoint, load_full_checkpoint, merged_lora_transformer, resolve_resume,
                                 save_checkpoint, save_full_checkpoint, save_model_dir)
-from imagerl.components import TINY_CHECKPOINTS, resolve_dtype, resolve_model_path
+from imagerl.components import NAMED_MODELS, resolve_dtype, resolve_model_path
 from imagerl.distributed.parallel import resolve_device
 from imagerl.distributed.rng import make_generator
 from imagerl.sft_data import batch_indices, load_examples, load_image
@@ -33,7 +33,7 @@ from imagerl.sft_data import batch_indices, load_examples, load_image
 
 @dataclass
 class SFTConfig:
-    model: str = "tiny"  # diffusers-format checkpoint directory, or tiny / tiny21
+    model: str = "tiny"  # diffusers-format checkpoint directory, or quickstart / tiny / tiny21
     family: str = "auto"
     device: str = "auto"
     dtype: str = "auto"  # forward dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16
@@ -206,7 +206,7 @@ def sft(cfg: SFTConfig, resume: str | None = None) -> SFTRun:
     validate_sft(cfg)
     examples = load_examples(cfg.data)  # data errors before any model loads
     cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()), model=cfg.model if cfg.model
-                              in TINY_CHECKPOINTS else str(Path(cfg.model).expanduser().resolve()))  # cwd-proof
+                              in NAMED_MODELS else str(Path(cfg.model).expanduser().resolve()))  # cwd-proof
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_resume(resume, run_dir) if resume else None
     if resume_from is None and list((run_dir / "checkpoints").glob("step_*")):
