@@ -1,18 +1,25 @@
-"""Resumable checkpoints, written atomically.
+"""Resumable checkpoints, written atomically, by one process or many (torchrun, FSDP2).
 
 <run>/checkpoints/step_000012/
-  lora/adapter_model.safetensors + adapter_config.json   PEFT format (keys base_model.model.<module>.lora_A.weight)
+  lora/adapter_model.safetensors + adapter_config.json   PEFT format (keys base_model.model.<module>.lora_A.weight),
+                                                         full tensors gathered on rank 0: a plain PEFT adapter
   lora/pytorch_lora_weights.safetensors                  diffusers format: QwenImagePipeline.load_lora_weights(dir)
-  optimizer.pt                                           AdamW state
-  rng.pt                                                 torch / python / numpy global RNG states
-  state.json                                             rollout step, config
-Full fine-tuning (`imagerl sft` with lora_rank=0) writes, instead of lora/:
+  dcp/                                                   torch.distributed.checkpoint: the trainable params
+                                                         ("model", LoRA) and AdamW state ("optim"), by FQN,
+                                                         each rank writing its shards; loads on any world size
+  rng/rank_00000.pt ...                                  torch / python / numpy / cuda RNG states of each rank
+  state.json                                             rollout step, world size, config (written last)
+Full fine-tuning (`imagerl sft` with lora_rank=0) writes, instead of lora/ and dcp/'s "model":
   model/                                                 a complete diffusers-format checkpoint: the base
                                                          checkpoint's other components as symlinks, the
                                                          trained transformer/ (float32 master weights)
-A checkpoint is built in a temporary sibling directory and renamed into place, so a crash never
-leaves a half-written checkpoint under a final name. Every random stream of a run is derived from
-(seed, step, ...) (distributed/rng.py), so resuming from step n reproduces the uninterrupted run.
+Older checkpoints (optimizer.pt + rng.pt instead of dcp/ + rng/) still load.
+
+A checkpoint is built in <name>.tmp by all ranks; after a barrier rank 0 writes state.json and renames
+it into place, so a crash never leaves a checkpoint under a final name (latest_checkpoint also ignores
+directories without state.json). Multi-node runs need the run directory on a shared filesystem. Every
+random stream of a run is derived from (seed, step, ...) (distributed/rng.py) and the prompt sampler's
+position from the step, so resuming from step n reproduces the uninterrupted run, on any world size.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from imagerl.distributed.parallel import World
+
 PEFT_PREFIX = "base_model.model."
 
 
@@ -33,12 +42,13 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
-def save_lora(adapter, directory: Path) -> None:
-    """PEFT and diffusers copies of the adapter (with rank/alpha metadata so diffusers scales by alpha/r)."""
+def save_lora(adapter, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """PEFT and diffusers copies of the adapter (with rank/alpha metadata so diffusers scales by alpha/r).
+    `state`: the adapter's full LoRA tensors (adapter.lora_state_dict(), gathered on every rank under FSDP)."""
     import diffusers
 
     directory.mkdir(parents=True, exist_ok=True)
-    state = adapter.lora_state_dict()
+    state = adapter.lora_state_dict() if state is None else state
     save_file({PEFT_PREFIX + k: v for k, v in state.items()}, directory / "adapter_model.safetensors")
     adapter.lora_config.save_pretrained(str(directory))
     metadata = adapter.lora_config.to_dict()
@@ -59,38 +69,75 @@ def load_lora(adapter, directory: Path) -> None:
     adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
 
 
-def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, keep: int) -> Path:
-    final, tmp = _begin(run_dir, step)
-    save_lora(adapter, tmp / "lora")
-    return _commit(run_dir, step, final, tmp, optimizer, config, keep)
+def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, keep: int,
+                    world: World | None = None) -> Path:
+    """Every rank calls this (the LoRA is gathered and the shards written collectively); rank 0 writes lora/."""
+    world = world or _ONE
+    final, tmp = _begin(run_dir, step, world)
+    state = adapter.lora_state_dict()  # a collective under FSDP
+    if world.is_main:
+        save_lora(adapter, tmp / "lora", state)
+    return _commit(run_dir, step, final, tmp, adapter.transformer, optimizer, config, keep, world, with_model=True)
 
 
 def save_full_checkpoint(run_dir: Path, step: int, transformer, base: Path, optimizer, config: dict,
-                         keep: int) -> Path:
+                         keep: int, world: World | None = None) -> Path:
     """Like save_checkpoint for a fully fine-tuned transformer: model/ is `base` with this transformer (its
-    float32 master weights), the other components symlinked, so `--model <checkpoint>/model` loads it."""
-    final, tmp = _begin(run_dir, step)
-    save_model_dir(base, transformer, tmp / "model", link=True)
-    return _commit(run_dir, step, final, tmp, optimizer, config, keep)
+    float32 master weights), the other components symlinked, so `--model <checkpoint>/model` loads it.
+    One process only (the transformer is saved with save_pretrained)."""
+    world = world or _ONE
+    final, tmp = _begin(run_dir, step, world)
+    if world.is_main:
+        save_model_dir(base, transformer, tmp / "model", link=True)
+    return _commit(run_dir, step, final, tmp, transformer, optimizer, config, keep, world, with_model=False)
 
 
-def _begin(run_dir: Path, step: int) -> tuple[Path, Path]:
+_ONE = World(0, 1, torch.device("cpu"))
+
+
+def _begin(run_dir: Path, step: int, world: World) -> tuple[Path, Path]:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    if world.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    world.barrier()
     return final, tmp
 
 
-def _commit(run_dir: Path, step: int, final: Path, tmp: Path, optimizer, config: dict, keep: int) -> Path:
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)
+
+
+def _commit(run_dir: Path, step: int, final: Path, tmp: Path, module, optimizer, config: dict, keep: int,
+            world: World, with_model: bool) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"optim": get_optimizer_state_dict(module, optimizer, options=_options())}
+    if with_model:
+        state["model"] = get_model_state_dict(module, options=_options())
+    dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not _distributed())
+    (tmp / "rng").mkdir(exist_ok=True)
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "config": config}, indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    _prune(run_dir, keep)
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+               tmp / "rng" / f"rank_{world.rank:05d}.pt")
+    world.barrier()  # every rank's files are complete before the checkpoint becomes valid
+    if world.is_main:
+        (tmp / "state.json").write_text(json.dumps({"step": step, "world_size": world.size, "config": config},
+                                                   indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _prune(run_dir, keep)
+    world.barrier()
     return final
 
 
@@ -137,11 +184,15 @@ def resolve_resume(resume: str, run_dir: Path) -> Path:
     return found
 
 
-def load_checkpoint(path: Path, adapter, optimizer) -> int:
-    """Restore LoRA, optimizer and RNG; return the rollout step the checkpoint was taken after."""
-    state = load_file(path / "lora" / "adapter_model.safetensors")
-    adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
-    return _restore(path, optimizer)
+def load_checkpoint(path: Path, adapter, optimizer, world: World | None = None) -> int:
+    """Restore LoRA, optimizer and RNG (every rank; any world size); return the rollout step the checkpoint
+    was taken after."""
+    if (path / "dcp").is_dir():
+        _load_distributed(path, adapter.transformer, optimizer, with_model=True)
+    else:  # an older single-process checkpoint
+        state = load_file(path / "lora" / "adapter_model.safetensors")
+        adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
+    return _restore(path, optimizer, world or _ONE)
 
 
 def load_full_checkpoint(path: Path, transformer, optimizer) -> int:
@@ -153,7 +204,9 @@ def load_full_checkpoint(path: Path, transformer, optimizer) -> int:
     saved = type(transformer).from_pretrained(path / "model", subfolder="transformer", torch_dtype=torch.float32)
     transformer.load_state_dict(saved.state_dict())
     del saved
-    return _restore(path, optimizer)
+    if (path / "dcp").is_dir():
+        _load_distributed(path, transformer, optimizer, with_model=False)
+    return _restore(path, optimizer, _ONE)
 
 
 def merged_lora_transformer(base: Path, lora_dir: Path):
@@ -176,9 +229,27 @@ def merged_lora_transformer(base: Path, lora_dir: Path):
     return transformer
 
 
-def _restore(path: Path, optimizer) -> int:
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-    rng = torch.load(path / "rng.pt", weights_only=False)
+def _load_distributed(path: Path, module, optimizer, with_model: bool) -> None:
+    """dcp.load into this rank's (possibly sharded) state dicts: DCP reshards between world sizes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    state = {"optim": get_optimizer_state_dict(module, optimizer, options=_options())}
+    if with_model:
+        state["model"] = get_model_state_dict(module, options=_options())
+    dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not _distributed())
+    if with_model:
+        set_model_state_dict(module, state["model"], options=_options())
+    set_optimizer_state_dict(module, optimizer, state["optim"], options=_options())
+
+
+def _restore(path: Path, optimizer, world: World) -> int:
+    if not (path / "dcp").is_dir():  # an older single-process checkpoint
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+    # this rank's RNG, else rank 0's (resuming on more ranks; no stream of a run depends on it, see rng.py)
+    files = [path / "rng" / f"rank_{world.rank:05d}.pt", path / "rng" / "rank_00000.pt", path / "rng.pt"]
+    rng = torch.load(next((f for f in files if f.is_file()), files[-1]), weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

@@ -13,6 +13,7 @@ def _train(args) -> int:
 
     flags = [f"model.path={args.model}"] if args.model else []
     flags += [f"model.family={args.family}"] if args.family else []
+    flags += ["parallel.deterministic=true"] if args.deterministic else []
     cfg = load_config(args.recipe, flags + args.overrides)
     if args.output_dir:
         cfg.run.output_dir = args.output_dir
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help="run directory (default: run.output_dir of the recipe)")
     p.add_argument("--model", default=None, help="local diffusers-format checkpoint (same as model.path=)")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
+    p.add_argument("--deterministic", action="store_true", help="deterministic kernels and seeds (same as "
+                   "parallel.deterministic=true); several GPUs: torchrun --nproc_per_node N -m imagerl train ...")
     p.add_argument("overrides", nargs="*", help="e.g. train.lr=1e-4 sample.group_size=8")
     p.set_defaults(fn=_train)
     p = sub.add_parser("sample", help="generate images (ODE, the family's default guidance)")

@@ -165,6 +165,27 @@ class RunConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Several processes (torchrun); see docs/design.md "Many GPUs". Single process: only `deterministic` applies."""
+
+    strategy: str = "auto"
+    """"auto" (fsdp when world size > 1), "fsdp" (FSDP2 fully_shard per transformer block, then the root) or
+    "replicate" (every rank holds the whole model; LoRA gradients are all-reduced)."""
+    reduce_dtype: str = "float32"
+    """FSDP gradient reduce-scatter dtype: "float32" or "bfloat16"."""
+    reshard_after_forward: bool = True
+    """FSDP: free each block's gathered weights after its forward (less memory, one more all-gather in backward)."""
+    text_encoder: str = "auto"
+    """"auto" (shard when it has more than text_encoder_shard_min_params parameters), "shard" (fully_shard its
+    decoder layers, gathered once per encode call) or "replicate"."""
+    text_encoder_shard_min_params: int = 1_000_000_000
+    compile: bool = False
+    """Regional torch.compile of each transformer block (after activation checkpointing, before sharding)."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, cudnn deterministic, math SDPA."""
+
+
+@dataclass
 class Config:
     recipe: str = "custom"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -174,6 +195,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -356,6 +378,8 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
 
+    validate_parallel(cfg, world_size)
+
     samples = s.prompts_per_rollout * s.group_size
     if s.prompts_per_rollout % world_size:
         raise ValueError(
@@ -377,3 +401,22 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         )
     return BatchPlan(samples, s.prompts_per_rollout // world_size, per_rank, batches,
                      batches // t.num_optimizer_steps, samples // t.num_optimizer_steps)
+
+
+def validate_parallel(cfg: Config, world_size: int) -> str:
+    """Check the parallel.* section; return the effective strategy: "fsdp", "replicate" or "none" (one process)."""
+    p = cfg.parallel
+    choices = {"parallel.strategy": (p.strategy, ("auto", "fsdp", "replicate")),
+               "parallel.reduce_dtype": (p.reduce_dtype, ("float32", "bfloat16")),
+               "parallel.text_encoder": (p.text_encoder, ("auto", "shard", "replicate"))}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+    if p.text_encoder_shard_min_params < 0:
+        raise ValueError(f"parallel.text_encoder_shard_min_params must be >= 0, got {p.text_encoder_shard_min_params}")
+    if world_size == 1:
+        return "none"
+    strategy = "fsdp" if p.strategy == "auto" else p.strategy
+    if p.text_encoder == "shard" and strategy != "fsdp":
+        raise ValueError("parallel.text_encoder=shard needs parallel.strategy=fsdp (or auto with several ranks)")
+    return strategy

@@ -97,8 +97,18 @@ def run_evaluation(adapter, scorer, test_set: PromptSet, cfg, world: World, prog
 
     rows, errors, kept_images = [], [], []
     bar = progress_bar(len(block), "eval", progress and world.is_main, unit="img", leave=False)
-    for start in range(block.start, block.stop, settings.batch_size):
+    # every rank runs the same number of batches (FSDP gathers weights collectively in each forward): a rank
+    # with a shorter block runs a discarded batch of prompt 0 instead
+    for start in range(block.start, block.start + first_block, settings.batch_size):
         idx = range(start, min(start + settings.batch_size, block.stop))
+        if not len(idx):
+            if world.fsdp:
+                ode_sample(adapter, test_set.prompts[:1], num_steps=settings.num_steps,
+                           guidance_scale=settings.guidance_scale, height=h, width=w,
+                           initial_noise_BNC=eval_noise(adapter, settings.seed, range(1), h, w),
+                           negative_prompt=settings.negative_prompt, batch_size=1,
+                           max_sequence_length=settings.max_sequence_length)
+            continue
         prompts = [test_set.prompts[i] for i in idx]
         metadata = [test_set.metadata[i] if i < len(test_set.metadata) else {} for i in idx]
         latents = ode_sample(adapter, prompts, num_steps=settings.num_steps, guidance_scale=settings.guidance_scale,

@@ -12,7 +12,8 @@ from imagerl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config, validate
 from imagerl.data import GroupSampler, load_train_test
-from imagerl.distributed.parallel import init_world
+from imagerl.distributed.fsdp import apply_parallelism, set_deterministic
+from imagerl.distributed.parallel import init_world, resolve_device
 from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
                              require_wandb, save_image_grid)
 from imagerl.rewards import RewardError, Scorer
@@ -24,6 +25,8 @@ from imagerl.scoring import AsyncScorer, ScoredRollout
 
 def train(cfg: Config, resume: str | None = None) -> Path:
     """Run cfg.train.num_rollouts rollouts (continuing a checkpoint with `resume`); return the run directory."""
+    if cfg.parallel.deterministic:  # before CUDA starts (CUBLAS_WORKSPACE_CONFIG)
+        set_deterministic(cfg.run.seed, resolve_device(cfg.model.device))
     world = init_world(cfg.model.device)
     plan = validate(cfg, world.size)  # every config error before anything slow
     check_reward_config(cfg.reward)  # names and model paths, before any model loads
@@ -36,15 +39,16 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
 
-    adapter = load_adapter(cfg, world)
+    adapter = load_adapter(cfg, world)  # LoRA added, activation checkpointing on
     resolve_family_defaults(cfg, adapter)
+    apply_parallelism(adapter, cfg, world)  # compile, shard (FSDP2); before the optimizer sees the params
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
     scoring = AsyncScorer(scorer, enabled=cfg.reward.async_scoring)
     sampler = GroupSampler(train_set, cfg.sample.prompts_per_rollout, cfg.run.seed, world.rank, world.size)
-    start = load_checkpoint(resume_from, adapter, optimizer) if resume_from else 0
+    start = load_checkpoint(resume_from, adapter, optimizer, world) if resume_from else 0
     logger = MetricsLogger(run_dir, world.is_main, cfg.run.tensorboard, wandb=cfg.run.wandb, config=cfg)
     logger.truncate_after(start)
     timer = PhaseTimer(world.device)
@@ -86,9 +90,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
                             captions=rollout.prompts_B[:16])
             plot_reward_curve(run_dir)
         if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts:
-            if world.is_main:
-                save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints)
-            world.barrier()
+            save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints, world)
 
     bar.close()
     scoring.close()
@@ -113,8 +115,9 @@ def _evaluator(cfg: Config, adapter, optimizer, scorer, test_set, world, run_dir
                 return evaluate(adapter, scorer, test_set, cfg, world, done, run_dir=run_dir if world.is_main else None)
         except RewardError as e:
             where = ""
-            if world.is_main and done > 0:
-                path = save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1)
+            if done > 0:  # every rank gets here (the eval reward error is raised on all ranks)
+                path = save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1,
+                                       world)
                 where = f"; the state after rollout {done} is saved in {path}"
             raise RewardError(f"evaluation after rollout {done}: {e}{where}; continue with --resume {run_dir}") from e
 
@@ -142,8 +145,8 @@ def _check_rewards(scored: ScoredRollout, failed_count: int, cfg: Config, run_di
     reason = "; ".join(scored.errors) or (f"rewards are NaN/inf for samples {bad[:8]}" if bad else
                                           f"{failed_count} rewards failed on other ranks")
     where = ""
-    if world.is_main and step > 0:
-        path = save_checkpoint(run_dir, step, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1)
+    if step > 0:  # every rank gets here: failed_count is global
+        path = save_checkpoint(run_dir, step, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1, world)
         where = f"; the state after rollout {step} is saved in {path}"
     raise RewardError(f"rollout {step + 1}: {reason} (reward.on_error=error; reward.on_error=skip drops such "
                       f"samples){where}. Fix the reward, then continue with `imagerl train --recipe {cfg.recipe} "

@@ -10,7 +10,8 @@ window step j, one forward with grad replays the rollout's batch (same CFG), the
   kl      = mean_batch mean_elements (mean - mean_ref)^2 / (2 std_dev_t^2)   (beta > 0; reference = LoRA off)
   loss    = (policy + beta kl) / (batches_per_step x S)        -> the gradient of the mean over (sample, step)
 
-Gradients are averaged over ranks, clipped to max_grad_norm (global norm), then AdamW steps.
+Gradients are averaged over ranks (all-reduce, or FSDP's reduce-scatter), clipped to max_grad_norm by
+the global norm over all shards (flow_grpo clipped the local shard's norm), then AdamW steps.
 Metric `log_prob_mean_abs_diff` is measured on the first optimizer step only, where the policy is
 still the rollout policy, so it must be exactly 0 for an exact replay.
 """
@@ -66,6 +67,13 @@ def _step_log_prob(adapter, rollout: Rollout, batch: slice, j: int, cond, cfg: C
                          sigma_max=rollout.sigma_max, sde_type=s.sde_type, prev_sample=rollout.next_latents_BSNC[batch, j])
 
 
+def global_clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """clip_grad_norm_ over all ranks' shards: with FSDP2 the grads are DTensors and the returned total norm
+    is a DTensor whose full_tensor() reduces the shards' partial norms (the same number on every rank)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, optimizer: torch.optim.Optimizer,
                      cfg: Config, world: World, progress=None) -> TrainStats:
     t = cfg.train
@@ -105,8 +113,8 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
                                          on * diff.abs().sum(), diff.new_tensor(on * n)])
                 if progress is not None:
                     progress.update(1)
-        world.all_reduce_grads(params)
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)))
+        world.all_reduce_grads(params)  # a no-op under FSDP: backward already reduce-scattered the grads
+        grad_norms.append(global_clip_grad_norm_(params, t.max_grad_norm))
         optimizer.step()
     adapter.transformer.eval()
     optimizer.zero_grad(set_to_none=True)

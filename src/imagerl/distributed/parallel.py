@@ -1,8 +1,9 @@
 """Ranks and collectives in one place. Single process: every collective is the identity.
 
-Launch several ranks with torchrun; the group uses NCCL on CUDA and gloo on CPU. Each rank holds
-complete prompt groups (data.GroupSampler), so only rewards (for global-std advantages and logging),
-scalar metrics and LoRA gradients cross ranks.
+Launch several ranks with torchrun (`torchrun --nproc_per_node N -m imagerl train ...`); the group uses
+NCCL on CUDA and gloo on CPU. Each rank holds complete prompt groups (data.GroupSampler), so only
+rewards (for global-std advantages and logging), scalar metrics and LoRA gradients cross ranks; with
+parallel.strategy=fsdp also the sharded weights (distributed/fsdp.py applies the sharding).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ class World:
     rank: int
     size: int
     device: torch.device
+    strategy: str = "none"
+    """"none" (one process), "replicate" (all_reduce_grads averages LoRA grads) or "fsdp" (set by
+    fsdp.apply_parallelism: FSDP2 reduce-scatters the grads in backward, params are DTensor shards)."""
+
+    @property
+    def fsdp(self) -> bool:
+        return self.strategy == "fsdp"
 
     @property
     def is_main(self) -> bool:
@@ -39,8 +47,8 @@ class World:
         return tensor
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Average LoRA gradients over ranks (one flat buffer, one collective)."""
-        if self.size == 1:
+        """Average LoRA gradients over ranks (one flat buffer, one collective); FSDP already did."""
+        if self.size == 1 or self.fsdp:
             return
         grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -144,17 +144,42 @@ class FamilyAdapter:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) CPU tensors in PEFT naming. Under FSDP the LoRA params are DTensor shards: every
+        rank must call this (each tensor is gathered with full_tensor(), a collective)."""
         from peft.utils import get_peft_model_state_dict
 
-        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.transformer).items()}
+        return {k: _full(v).detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.transformer).items()}
 
     def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full tensors in PEFT naming (on every rank); sharded params take their own shard of each."""
         from peft.utils import set_peft_model_state_dict
 
+        params = dict(self.transformer.named_parameters())
+        if any(_is_dtensor(p) for p in params.values()):
+            state = {k: _like(v, params.get(_peft_param_name(k, self.lora_config))) for k, v in state.items()}
         result = set_peft_model_state_dict(self.transformer, state)
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"LoRA state has keys this model does not: {unexpected[:3]} ...")
+
+    # --- parallelism (distributed/fsdp.py shards these) ------------------------------------------
+
+    def transformer_blocks(self) -> list[torch.nn.Module]:
+        """The repeated blocks of the transformer: the units of activation checkpointing, compile and sharding."""
+        return list(self.transformer.transformer_blocks)
+
+    def text_encoder_module(self) -> torch.nn.Module | None:
+        """The text-encoder module the adapter calls (its forward runs the decoder layers)."""
+        encoder = getattr(self, "text_encoder", None)
+        return getattr(encoder, "model", encoder)
+
+    def text_encoder_layers(self) -> list[torch.nn.Module]:
+        """The text encoder's decoder layers (the ModuleLists named `layers`), the units it is sharded by."""
+        module = self.text_encoder_module()
+        if module is None:
+            return []
+        return [layer for name, m in module.named_modules() if name.rsplit(".", 1)[-1] == "layers"
+                and isinstance(m, torch.nn.ModuleList) for layer in m]
 
     @contextlib.contextmanager
     def lora_disabled(self):
@@ -170,3 +195,30 @@ class FamilyAdapter:
         if self.dtype != torch.float32:
             return torch.autocast(self.device.type, dtype=self.dtype)
         return contextlib.nullcontext()
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _peft_param_name(key: str, lora_config) -> str:
+    """PEFT state-dict key (x.lora_A.weight) -> the module's parameter name (x.lora_A.default.weight)."""
+    for part in (".lora_A.", ".lora_B."):
+        key = key.replace(part, f"{part}default.")
+    return key
+
+
+def _like(value: torch.Tensor, param) -> torch.Tensor:
+    """A full tensor as a DTensor laid out as `param` (this rank's shard, no communication)."""
+    if param is None or not _is_dtensor(param):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
+                             src_data_rank=None)
