@@ -22,11 +22,12 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 def tiny_config(checkpoint: Path, run_dir: Path, *overrides: str):
-    """The quickstart recipe on the given checkpoint, smaller: 2 prompts x 2 samples, batch 2."""
+    """tests/tiny_recipe.yaml (the random-model quickstart) on the given checkpoint, smaller: 2 prompts x 2
+    samples, batch 2."""
     from imagerl.config import load_config
 
     base = [f"model.path={checkpoint}", "model.device=cpu", "sample.height=64", "sample.width=64", "sample.prompts_per_rollout=2",
             "sample.group_size=2", "sample.batch_size=2", "train.num_rollouts=2", "run.tensorboard=false",
             "run.image_grid_every=0", f"run.output_dir={run_dir}", "eval.interval=0", "eval.before_training=false",
             "data.test_prompts="]
-    return load_config("quickstart", base + list(overrides))
+    return load_config(str(Path(__file__).parent / "tiny_recipe.yaml"), base + list(overrides))

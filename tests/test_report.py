@@ -142,3 +142,20 @@ def test_report_of_a_real_training_run_with_evaluation(tiny_checkpoint, tmp_path
     assert t["log_prob_mean_abs_diff, max"] == "0"
     assert _colour_pixels(run / "plots" / "reward.png", EVAL_RED) > 20
     assert (run / "plots" / "phases.png").is_file()
+
+
+def test_eval_table_printed_at_the_end_of_training():
+    from imagerl.report import format_eval_table
+
+    records = _train_records(eval_every=2)
+    for r in records:
+        if "eval/reward/raw_mean" in r:
+            r.update({"eval/reward/shapes_mean": r["eval/reward/raw_mean"] * 2, "eval/reward/ocr_mean": 0.25})
+    lines = format_eval_table(records).splitlines()
+    assert lines[0] == "held-out evaluation" and lines[1].split() == ["rollout", "reward", "ocr", "shapes"]
+    assert [l.split() for l in lines[2:5]] == [["0", "-0.5000", "0.2500", "-1.0000"], ["2", "-0.3000", "0.2500", "-0.6000"],
+                                                ["4", "-0.1000", "0.2500", "-0.2000"]]
+    assert lines[5] == "before -> after: -0.5000 (rollout 0) -> -0.1000 (rollout 4), change +0.4000"
+    single = [{k: v for k, v in r.items() if k != "eval/reward/ocr_mean"} for r in records]
+    assert format_eval_table(single).splitlines()[1].split() == ["rollout", "reward"]
+    assert format_eval_table(_train_records()) == ""  # no evaluation, no table

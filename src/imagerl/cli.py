@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,12 @@ def _train(args) -> int:
     if args.output_dir:
         cfg.run.output_dir = args.output_dir
     run_dir = train(cfg, resume=args.resume)
+    if int(os.environ.get("RANK", "0")) == 0 and (run_dir / "metrics.jsonl").is_file():
+        from imagerl.report import format_eval_table, load_run
+
+        table = format_eval_table(load_run(run_dir))
+        if table:
+            print(table)
     print(f"done: {run_dir} (metrics.jsonl, tensorboard/, images/, checkpoints/, plots/reward.png); "
           f"summary: imagerl report {run_dir}")
     return 0
@@ -195,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default="runs/quickstart-model-build")
     p.add_argument("--num-images", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vae-steps", type=int, default=3000)
-    p.add_argument("--sft-steps", type=int, default=4000)
+    p.add_argument("--vae-steps", type=int, default=2000)
+    p.add_argument("--sft-steps", type=int, default=1200)
     p.add_argument("--sft-batch", type=int, default=64)
     p.add_argument("--device", default="auto")
     p.set_defaults(fn=_build_quickstart_model)

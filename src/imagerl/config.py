@@ -53,6 +53,8 @@ class DataConfig:
     test_prompts: str = ""
     """Held-out prompts for evaluation: a file or shipped set (as train_prompts), "split" (hold out
     test_fraction of train_prompts, deterministically), or "" (no evaluation)."""
+    test_samples_per_prompt: int = 1
+    """Images per held-out prompt, each from its own noise (GenEval samples 4): a less noisy evaluation."""
     test_fraction: float = 0.1
     split_seed: int = 0
 
@@ -375,6 +377,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
                          "give a prompt file or data.test_prompts=split")
     if not 0 < cfg.data.test_fraction < 1:
         raise ValueError(f"data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}")
+    if cfg.data.test_samples_per_prompt < 1:
+        raise ValueError(f"data.test_samples_per_prompt must be >= 1 (images per held-out prompt), got "
+                         f"{cfg.data.test_samples_per_prompt}")
     if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
 

@@ -133,8 +133,17 @@ def load_train_test(data_cfg) -> tuple[PromptSet, PromptSet | None]:
         if not len(train):
             raise ValueError(f"data.test_prompts=split: {train_file} has a single distinct prompt, nothing is left "
                              "to train on; give more prompts or a separate data.test_prompts file")
-        return train, test
-    return train, load_prompt_set(resolve_prompt_file(data_cfg.test_prompts), key="data.test_prompts")
+        return train, repeat_prompts(test, data_cfg.test_samples_per_prompt)
+    test = load_prompt_set(resolve_prompt_file(data_cfg.test_prompts), key="data.test_prompts")
+    return train, repeat_prompts(test, data_cfg.test_samples_per_prompt)
+
+
+def repeat_prompts(prompt_set: PromptSet, k: int) -> PromptSet:
+    """Each prompt k times in a row (prompt i becomes entries i*k .. i*k + k - 1: evaluation gives every entry its
+    own noise, so these are k samples of one prompt)."""
+    if k < 1:
+        raise ValueError(f"data.test_samples_per_prompt must be >= 1, got {k}")
+    return _subset(prompt_set, [i for i in range(len(prompt_set)) for _ in range(k)])
 
 
 def rank_block(num_items: int, rank: int, world_size: int) -> range:

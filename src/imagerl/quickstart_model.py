@@ -4,11 +4,16 @@ Recipe (every step seeded; `imagerl build-quickstart-model OUT` reruns it):
   1. the synthetic shapes world (imagerl.synthetic): N captioned 64 px images;
   2. a tiny Qwen2.5-VL text encoder (random, frozen) and a BPE tokenizer trained on the template,
      the bundled prompts and the shapes captions (template prefix = 34 tokens, as the real one);
-  3. a tiny AutoencoderKLQwenImage trained for reconstruction (MSE + 1e-6 KL) on the images, so that
-     decode(encode(x)) reproduces them;
+  3. a tiny AutoencoderKLQwenImage trained for reconstruction (foreground-weighted MSE + 1e-6 KL) on the
+     images, so that decode(encode(x)) reproduces them (shipped build: reconstructions score 0.998 under the
+     shapes reward, ground truth 1.0);
   4. a small QwenImageTransformer2DModel, saved with the rest in the hub layout, then trained by
      `imagerl sft` (full fine-tuning, flow matching) on the captioned images;
-  5. the exported checkpoint is what ships in imagerl/assets/quickstart-model.
+  5. the exported checkpoint is what ships in imagerl/assets/quickstart-model (its BUILD.json records the
+     command). The defaults are the shipped build's: 4096 images, VAE 2000 steps, SFT 1200 steps of 64 at lr
+     1e-3; on one H200 that took about 200 s (benchmarks/quickstart_model_build.py, which also judged longer
+     SFT: held-out reward with 300/600/1200/2400 steps 0.22/0.37/0.46/0.68 at CFG 4; benchmarks/RESULTS.md).
+     1200 steps leaves room for RL to show a gain within minutes on a CPU.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def build_base_checkpoint(out_dir: Path, vae, latents_mean, latents_std, caption
 
 
 def build_quickstart_model(out_dir: str | Path, work_dir: str | Path, *, num_images: int = 4096, seed: int = 0,
-                           vae_steps: int = 3000, sft_steps: int = 4000, sft_batch: int = 64, device: str = "auto",
+                           vae_steps: int = 2000, sft_steps: int = 1200, sft_batch: int = 64, device: str = "auto",
                            log=print) -> Path:
     from imagerl.distributed.parallel import resolve_device
     from imagerl.sft import SFTConfig, export_model, sft

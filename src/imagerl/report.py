@@ -145,6 +145,24 @@ def format_summary(s: RunSummary) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def format_eval_table(records: list[dict]) -> str:
+    """Held-out reward at each evaluation and the before -> after change ("" when the run has no evaluation)."""
+    evals = [(r["step"], float(r[EVAL_REWARD])) for r in records if _is_number(r.get(EVAL_REWARD))]
+    if not evals:
+        return ""
+    names = sorted({k[len("eval/reward/"):-len("_mean")] for r in records for k in r
+                    if k.startswith("eval/reward/") and k.endswith("_mean") and k != EVAL_REWARD})
+    names = names if len(names) > 1 else []  # one component: it is the reward itself
+    lines = ["held-out evaluation", f"{'rollout':>7}  {'reward':>8}" + "".join(f"  {n:>10}" for n in names)]
+    by_step = {r["step"]: r for r in records if _is_number(r.get(EVAL_REWARD))}
+    for step, value in evals:
+        parts = "".join(f"  {by_step[step].get(f'eval/reward/{n}_mean', float('nan')):>10.4f}" for n in names)
+        lines.append(f"{step:>7}  {value:>8.4f}{parts}")
+    (s0, first), (s1, last) = evals[0], evals[-1]
+    lines.append(f"before -> after: {first:.4f} (rollout {s0}) -> {last:.4f} (rollout {s1}), change {last - first:+.4f}")
+    return "\n".join(lines)
+
+
 def write_report(run_dir: str | Path, phases: bool = True) -> tuple[str, list[Path]]:
     """(summary table, plot paths): plots/reward.png and, with `phases`, plots/phases.png."""
     run_dir = Path(run_dir)
