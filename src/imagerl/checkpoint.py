@@ -110,10 +110,11 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _options():
+def _options(strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=True)
+    # setting: not strict, the frozen base weights are not in the state (dcp.load above checked the LoRA keys)
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
 def _commit(run_dir: Path, step: int, final: Path, tmp: Path, module, optimizer, config: dict, keep: int,
@@ -235,12 +236,19 @@ def _load_distributed(path: Path, module, optimizer, with_model: bool) -> None:
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
     state = {"optim": get_optimizer_state_dict(module, optimizer, options=_options())}
     if with_model:
         state["model"] = get_model_state_dict(module, options=_options())
-    dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not _distributed())
+        dcp.load({"model": state["model"]}, checkpoint_id=str(path / "dcp"), no_dist=not _distributed())
+    # the target's AdamW state is initialised for every trainable param; params that never got a gradient
+    # (e.g. the last block's unused text-stream output) have no state in the checkpoint and keep it empty-ish:
+    # AdamW skips params without a gradient, so they are never touched either way
+    dcp.load({"optim": state["optim"]}, checkpoint_id=str(path / "dcp"), no_dist=not _distributed(),
+             planner=DefaultLoadPlanner(allow_partial_load=True))
     if with_model:
-        set_model_state_dict(module, state["model"], options=_options())
+        set_model_state_dict(module, state["model"], options=_options(strict=False))
     set_optimizer_state_dict(module, optimizer, state["optim"], options=_options())
 
 
