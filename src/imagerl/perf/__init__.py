@@ -1,0 +1,1 @@
+"""Performance accounting: analytic FLOP counts (flops.py) for MFU."""

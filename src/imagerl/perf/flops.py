@@ -1,0 +1,82 @@
+"""Analytic FLOP counts of the Qwen-Image transformer (the basis of MFU), checked against
+torch.utils.flop_counter on real modules (tests/test_flops.py).
+
+One forward of QwenImageTransformer2DModel on one sample with I image tokens and L text tokens
+(N = I + L; D = heads x head_dim; every Linear costs 2 x in x out FLOPs per row it is applied to):
+
+  per block   2 x 12 D^2 x N      a token passes through its own stream's q, k, v, out (4 D^2) and MLP (8 D^2)
+            + 4 x D x N^2         joint attention: Q K^T and A V over all N tokens (2 N^2 D each)
+            + 2 x 2 x 6 D^2       img_mod and txt_mod (D -> 6D), once per sample
+  outside     2 x C_in x D x I (img_in) + 2 x J x D x L (txt_in) + 2 x (256 D + D^2) (timestep MLP)
+            + 2 x 2 D^2 (norm_out, per sample) + 2 x D x C_out x I (proj_out)
+
+(reference/diffusers_qwenimage.md section 6: 13.59 GFLOP x N + 0.737 MFLOP x N^2 + 22 MFLOP x L + small for
+the 20B model). A LoRA of rank r on a Linear (in -> out) adds 2 x r x (in + out) per row. Elementwise work
+(norms, RoPE, softmax, activations) is not counted, as in MFU conventions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# the per-token Linears of one block, by stream (PEFT target names as in the family adapters)
+IMAGE_STREAM = ("to_q", "to_k", "to_v", "to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")
+TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+PER_SAMPLE = ("img_mod.1", "txt_mod.1")
+
+
+@dataclass(frozen=True)
+class QwenImageDims:
+    num_layers: int
+    dim: int  # heads x head_dim
+    in_channels: int
+    out_channels: int  # per packed token: patch_size^2 x latent channels
+    joint_attention_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> "QwenImageDims":
+        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
+        p = get("patch_size")
+        return cls(get("num_layers"), get("num_attention_heads") * get("attention_head_dim"), get("in_channels"),
+                   p * p * get("out_channels"), get("joint_attention_dim"))
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each Linear of one block, by its name inside the block."""
+        d = self.dim
+        shapes = {name: (d, d) for name in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                            "add_v_proj", "to_add_out")}
+        shapes.update({"img_mlp.net.0.proj": (d, 4 * d), "img_mlp.net.2": (4 * d, d), "txt_mlp.net.0.proj": (d, 4 * d),
+                       "txt_mlp.net.2": (4 * d, d), "img_mod.1": (d, 6 * d), "txt_mod.1": (d, 6 * d)})
+        return shapes
+
+
+def _rows(name: str, image_tokens: int, text_tokens: int) -> int:
+    if name in IMAGE_STREAM:
+        return image_tokens
+    if name in TEXT_STREAM:
+        return text_tokens
+    return 1  # per-sample modulation
+
+
+def qwen_image_forward_flops(dims: QwenImageDims, image_tokens: int, text_tokens: int, lora_rank: int = 0,
+                             lora_targets: tuple[str, ...] = ()) -> int:
+    """FLOPs of one transformer forward for one sample (multiply by the batch, and by 2 for true CFG)."""
+    d, n = dims.dim, image_tokens + text_tokens
+    block = 4 * d * n * n
+    for name, (fan_in, fan_out) in dims.linear_shapes().items():
+        rows = _rows(name, image_tokens, text_tokens)
+        block += 2 * fan_in * fan_out * rows
+        if lora_rank and any(name == t or name.endswith("." + t) or t.endswith(name) for t in lora_targets):
+            block += 2 * lora_rank * (fan_in + fan_out) * rows
+    outside = (2 * dims.in_channels * d * image_tokens + 2 * dims.joint_attention_dim * d * text_tokens
+               + 2 * (256 * d + d * d) + 2 * d * 2 * d + 2 * d * dims.out_channels * image_tokens)
+    return dims.num_layers * block + outside
+
+
+def training_flops(forward_flops: int, full_fine_tune: bool, recompute: bool) -> int:
+    """FLOPs of forward + backward of one sample. Backward: activation gradients (1x forward) plus weight
+    gradients (1x forward when every weight trains; LoRA's are in the LoRA term of the forward count, ~0
+    of the base); recomputation (gradient checkpointing) repeats the forward. MFU reported with this count
+    counts recompute as work done (hardware FLOPs), stated where it is used."""
+    backward = 2 * forward_flops if full_fine_tune else forward_flops
+    return forward_flops + backward + (forward_flops if recompute else 0)

@@ -1,0 +1,63 @@
+"""The analytic Qwen-Image FLOP count (imagerl.perf.flops, the basis of MFU) equals what
+torch.utils.flop_counter counts on real diffusers modules, with and without LoRA, and reproduces the
+reference's 20B numbers."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from imagerl.families.qwen_image import QwenImageFamily
+from imagerl.perf.flops import QwenImageDims, qwen_image_forward_flops, training_flops
+
+TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+
+
+def _measured(model, image_hw: tuple[int, int], text_tokens: int, batch: int = 1) -> int:
+    h, w = image_hw
+    config = model.config
+    hidden = torch.randn(batch, h * w, config.in_channels)
+    text = torch.randn(batch, text_tokens, config.joint_attention_dim)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:  # the math kernel's matmuls are counted
+        model(hidden_states=hidden, timestep=torch.full((batch,), 0.5), encoder_hidden_states=text,
+              encoder_hidden_states_mask=torch.ones(batch, text_tokens), img_shapes=[[(1, h, w)]] * batch,
+              return_dict=False)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("image_hw,text_tokens", [((4, 4), 7), ((8, 6), 13)])
+def test_forward_flops_equal_the_flop_counter(image_hw, text_tokens):
+    from diffusers import QwenImageTransformer2DModel
+
+    model = QwenImageTransformer2DModel(**TINY).eval()
+    dims = QwenImageDims.from_config(model.config)
+    expected = qwen_image_forward_flops(dims, image_hw[0] * image_hw[1], text_tokens)
+    assert _measured(model, image_hw, text_tokens) == expected
+    assert _measured(model, image_hw, text_tokens, batch=3) == 3 * expected
+
+
+def test_lora_flops_equal_the_flop_counter():
+    from diffusers import QwenImageTransformer2DModel
+    from peft import LoraConfig
+
+    model = QwenImageTransformer2DModel(**TINY).eval()
+    targets = QwenImageFamily.lora_target_modules
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    dims = QwenImageDims.from_config(model.config)
+    assert _measured(model, (4, 4), 9) == qwen_image_forward_flops(dims, 16, 9, lora_rank=4, lora_targets=targets)
+
+
+def test_full_size_qwen_image_matches_the_reference_numbers():
+    # reference/diffusers_qwenimage.md section 6, measured on the 20B model: 512 px (1024 image tokens)
+    # with L = 100 / 200 / 300 text tokens -> 16.22 / 17.76 / 19.31 TFLOP per forward
+    dims = QwenImageDims(num_layers=60, dim=3072, in_channels=64, out_channels=64, joint_attention_dim=3584)
+    for text, tflop in [(100, 16.22), (200, 17.76), (300, 19.31)]:
+        assert qwen_image_forward_flops(dims, 1024, text) / 1e12 == pytest.approx(tflop, abs=0.006)
+
+
+def test_training_flops_rule():
+    assert training_flops(10, full_fine_tune=False, recompute=True) == 30  # LoRA + checkpointing: 3x forward
+    assert training_flops(10, full_fine_tune=True, recompute=False) == 30
+    assert training_flops(10, full_fine_tune=False, recompute=False) == 20
