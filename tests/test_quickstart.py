@@ -1,0 +1,81 @@
+"""The embedded quickstart: the shipped shapes-world model, its prompt sets, and a shortened run that must learn."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_config
+from imagerl.components import resolve_model_path
+from imagerl.config import load_config, validate
+from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set, load_train_test
+from imagerl.families.qwen_image import QwenImageFamily
+from imagerl.rewards.shapes import ShapesReward
+from imagerl.synthetic import all_specs, caption_of, draw, is_test_spec, layout, parse_caption
+from test_training import _rollout
+
+
+def test_shipped_prompt_sets_are_the_shapes_world_split():
+    train = load_prompt_set(bundled_prompt_file("shapes-train")).prompts
+    test = load_prompt_set(bundled_prompt_file("shapes-test")).prompts
+    held_out = {caption_of(s) for s in all_specs() if is_test_spec(s)}
+    assert len(train) == len(set(train)) == 933 and not any(is_test_spec(parse_caption(p)) for p in train)
+    assert set(test) == held_out and len(test) == 125  # every held-out caption of the world, once
+    cfg = load_config("quickstart", ["data.test_samples_per_prompt=1"])
+    train_set, test_set = load_train_test(cfg.data)
+    assert train_set.prompts == train and test_set.prompts == test
+
+
+def test_shipped_model_loads_in_diffusers_layout_and_its_vae_keeps_what_the_reward_reads():
+    import random
+
+    path = resolve_model_path("quickstart")
+    build = json.loads((path / "BUILD.json").read_text())
+    assert "imagerl build-quickstart-model" in build["command"] and build["sft_steps"] > 0
+    assert sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) < 20 * 2**20  # ships in the wheel
+    adapter = QwenImageFamily.from_pretrained(path, torch.device("cpu"), torch.float32)
+    rng = random.Random(7)
+    prompts = load_prompt_set(bundled_prompt_file("shapes-test")).prompts[:16]
+    images = torch.stack([torch.from_numpy(np.array(draw(layout(parse_caption(p), 64, rng), 64))).permute(2, 0, 1)
+                          for p in prompts]).float() / 255
+    with torch.no_grad():
+        latents = adapter.encode_images(images)
+        recon = adapter.decode(latents, 64, 64)
+    reward = ShapesReward()
+    # held-out scenes (never in the VAE's training data) survive decode(encode(x)) for the shapes reward
+    assert reward(recon, prompts, [{} for _ in prompts]).mean().item() >= 0.9
+
+
+def test_same_initial_noise_shares_the_start_within_groups_only(tiny_checkpoint, tmp_path):
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.group_size=3", "sample.batch_size=3",
+                      "sample.sde_window_start=0", "sample.same_initial_noise=true")
+    _, rollout = _rollout(cfg)
+    start = rollout.latents_BSNC[:, 0]  # the window starts at step 0: its first input is the initial noise
+    assert torch.equal(start[0], start[1]) and torch.equal(start[0], start[2]) and torch.equal(start[3], start[5])
+    assert not torch.equal(start[0], start[3])
+    assert not torch.equal(rollout.next_latents_BSNC[0, 0], rollout.next_latents_BSNC[1, 0])  # SDE noise differs
+    cfg_off = tiny_config(tiny_checkpoint, tmp_path, "sample.group_size=3", "sample.batch_size=3",
+                          "sample.sde_window_start=0")
+    _, independent = _rollout(cfg_off)
+    assert not torch.equal(independent.latents_BSNC[0, 0], independent.latents_BSNC[1, 0])
+    assert torch.equal(independent.latents_BSNC[0, 0], start[0])  # the group's first sample keeps its own noise
+
+
+def test_quickstart_recipe_is_valid_on_one_process():
+    plan = validate(load_config("quickstart"), world_size=1)
+    assert plan.samples_per_rollout == 128 and plan.batches_per_optimizer_step == 8
+
+
+def test_test_samples_per_prompt_repeats_each_held_out_prompt_with_its_own_noise():
+    from imagerl.evaluation import eval_noise
+
+    cfg = load_config("quickstart", ["data.test_samples_per_prompt=3"])
+    _, test = load_train_test(cfg.data)
+    base = load_prompt_set(bundled_prompt_file("shapes-test")).prompts
+    assert test.prompts[:6] == [base[0]] * 3 + [base[1]] * 3 and len(test) == 3 * len(base)
+    adapter = QwenImageFamily.from_pretrained(resolve_model_path("quickstart"), torch.device("cpu"), torch.float32)
+    noise = eval_noise(adapter, 0, range(3), 64, 64)
+    assert not torch.equal(noise[0], noise[1])  # entries of one prompt are distinct samples
+    with pytest.raises(ValueError, match="test_samples_per_prompt must be >= 1"):
+        validate(load_config("quickstart", ["data.test_samples_per_prompt=0"]), world_size=1)
