@@ -61,3 +61,27 @@ def test_training_flops_rule():
     assert training_flops(10, full_fine_tune=False, recompute=True) == 30  # LoRA + checkpointing: 3x forward
     assert training_flops(10, full_fine_tune=True, recompute=False) == 30
     assert training_flops(10, full_fine_tune=False, recompute=False) == 20
+
+
+def test_iteration_flops_count_rollout_and_training():
+    from imagerl.perf.flops import flow_grpo_iteration_flops, mfu
+
+    dims = QwenImageDims.from_config(TINY)
+    fwd = qwen_image_forward_flops(dims, 16, 9)
+    out = flow_grpo_iteration_flops(dims, 16, 9, samples=8, num_steps=10, num_sde_steps=2, true_cfg=True)
+    assert out["rollout"] == 8 * 10 * 2 * fwd  # every step, cond + uncond rows
+    assert out["train"] == 8 * 2 * 3 * 2 * fwd  # window steps x (forward + backward + recompute) x CFG rows
+    assert out["total"] == out["rollout"] + out["train"]
+    no_cfg = flow_grpo_iteration_flops(dims, 16, 9, samples=8, num_steps=10, num_sde_steps=2, true_cfg=False,
+                                       recompute=False)
+    assert no_cfg["train"] == 8 * 2 * 2 * fwd
+    assert mfu(5e14, 2.0, 1e15) == 0.25
+    with pytest.raises(ValueError, match="positive"):
+        mfu(1.0, 0.0, 1.0)
+
+
+def test_measured_matmul_rate_is_a_rate():
+    from imagerl.perf.flops import measure_matmul_flops_per_s
+
+    rate = measure_matmul_flops_per_s("cpu", torch.float32, size=128, iterations=3)
+    assert 1e6 < rate < 1e14  # a CPU core does between a MFLOP/s and 100 TFLOP/s

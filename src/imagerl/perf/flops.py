@@ -80,3 +80,44 @@ def training_flops(forward_flops: int, full_fine_tune: bool, recompute: bool) ->
     counts recompute as work done (hardware FLOPs), stated where it is used."""
     backward = 2 * forward_flops if full_fine_tune else forward_flops
     return forward_flops + backward + (forward_flops if recompute else 0)
+
+
+def flow_grpo_iteration_flops(dims: QwenImageDims, image_tokens: int, text_tokens: int, *, samples: int,
+                              num_steps: int, num_sde_steps: int, true_cfg: bool, lora_rank: int = 0,
+                              lora_targets: tuple[str, ...] = (), recompute: bool = True) -> dict[str, int]:
+    """Model FLOPs of one Flow-GRPO iteration (qwen_image): the rollout runs every denoising step for every
+    sample (x2 with true CFG: cond and uncond rows), training replays each SDE-window step with grad
+    (forward + backward, + recompute with gradient checkpointing). Text encoder and VAE are not included."""
+    cfg_rows = 2 if true_cfg else 1
+    forward = qwen_image_forward_flops(dims, image_tokens, text_tokens, lora_rank, lora_targets) * cfg_rows
+    rollout = samples * num_steps * forward
+    train = samples * num_sde_steps * training_flops(forward, full_fine_tune=False, recompute=recompute)
+    return {"rollout": rollout, "train": train, "total": rollout + train}
+
+
+def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the peak (use a matmul ceiling measured in the same run)."""
+    if seconds <= 0 or peak_flops_per_s <= 0:
+        raise ValueError(f"mfu needs positive seconds and peak, got {seconds} and {peak_flops_per_s}")
+    return flops / seconds / peak_flops_per_s
+
+
+def measure_matmul_flops_per_s(device, dtype, size: int = 8192, iterations: int = 20) -> float:
+    """The dense matmul rate this device reaches (size x size @ size x size, best of `iterations` after a
+    warm-up): the ceiling MFU is reported against, measured in the same run as the benchmark."""
+    import time
+
+    import torch
+
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    best = float("inf")
+    for _ in range(iterations):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
