@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from imagerl.distributed.rng import make_generator  # noqa: E402
 from imagerl.families.qwen_image import QwenImageFamily  # noqa: E402
 from imagerl.quickstart_model import (build_base_checkpoint, latent_statistics, load_images,  # noqa: E402
-                                      train_vae)
+                                      sft_config, train_vae, write_build_record)
 from imagerl.rewards.shapes import ShapesReward  # noqa: E402
 from imagerl.rollout import ode_sample  # noqa: E402
-from imagerl.sft import SFTConfig, export_model, sft  # noqa: E402
+from imagerl.sft import export_model, sft  # noqa: E402
 from imagerl.synthetic import generate_dataset  # noqa: E402
 
 
@@ -88,18 +88,12 @@ def main() -> None:
     train_prompts = (data / "prompts_train.txt").read_text().splitlines()[:len(test_prompts)]
     record["stages"] = []
     for n, steps in enumerate(int(s) for s in args.stages.split(",")):
-        cfg = SFTConfig(model=str(base), data=str(captions_file), height=64, width=64, lora_rank=0, lr=1e-3,
-                        lr_warmup_steps=100, weight_decay=0.0, batch_size=args.sft_batch, num_steps=steps, seed=0,
-                        caption_dropout=0.1, gradient_checkpointing=False, output_dir=str(work / "sft"),
-                        checkpoint_every=steps, keep_checkpoints=1, log_every=50, tensorboard=False,
-                        device=str(dev), dtype="float32")
+        cfg = sft_config(base, captions_file, work / "sft", steps=steps, batch=args.sft_batch, seed=0, device=dev,
+                         keep_checkpoints=1, log_every=50)
         sft(cfg, resume="latest" if n else None)
         model = export_model(work / "sft", work / f"model_{steps}", dtype="float32")
-        (model / "BUILD.json").write_text(json.dumps(dict(
-            num_images=args.num_images, seed=0, vae_steps=args.vae_steps, vae_final_mse=mse, sft_steps=steps,
-            sft_batch=args.sft_batch, sft_lr=1e-3, device=record["device"],
-            command=f"imagerl build-quickstart-model OUT --seed 0 --num-images {args.num_images} "
-                    f"--vae-steps {args.vae_steps} --sft-steps {steps} --sft-batch {args.sft_batch}"), indent=1))
+        write_build_record(model, num_images=args.num_images, seed=0, vae_steps=args.vae_steps, vae_final_mse=mse,
+                           sft_steps=steps, sft_batch=args.sft_batch, device=record["device"])
         stage = {"sft_steps": steps, "elapsed_s": time.perf_counter() - tic}
         for g in (1.0, 4.0):
             stage[f"test_g{g:g}"] = judge(model, test_prompts, 4, g, dev)

@@ -26,6 +26,7 @@ import torch
 
 VAE_CONFIG = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
                   latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+SFT_LR = 1e-3
 TRANSFORMER_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=4, attention_head_dim=32,
                           num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
 
@@ -109,7 +110,7 @@ def build_quickstart_model(out_dir: str | Path, work_dir: str | Path, *, num_ima
                            vae_steps: int = 2000, sft_steps: int = 1200, sft_batch: int = 64, device: str = "auto",
                            log=print) -> Path:
     from imagerl.distributed.parallel import resolve_device
-    from imagerl.sft import SFTConfig, export_model, sft
+    from imagerl.sft import export_model, sft
     from imagerl.synthetic import generate_dataset
 
     out_dir, work_dir = Path(out_dir), Path(work_dir)
@@ -123,17 +124,33 @@ def build_quickstart_model(out_dir: str | Path, work_dir: str | Path, *, num_ima
     vae, mse = train_vae(images, vae_steps, dev, seed, log=log)
     mean, std = latent_statistics(vae, images, dev)
     base = build_base_checkpoint(work_dir / "base", vae, mean, std, captions, seed)
-    cfg = SFTConfig(model=str(base), data=str(captions_file), height=64, width=64, lora_rank=0, lr=1e-3,
-                    lr_warmup_steps=100, weight_decay=0.0, batch_size=sft_batch, num_steps=sft_steps, seed=seed,
-                    caption_dropout=0.1, gradient_checkpointing=False, output_dir=str(work_dir / "sft"),
-                    checkpoint_every=sft_steps, log_every=max(1, sft_steps // 20), tensorboard=False, device=str(dev),
-                    dtype="float32")
-    run = sft(cfg)
+    run = sft(sft_config(base, captions_file, work_dir / "sft", steps=sft_steps, batch=sft_batch, seed=seed, device=dev))
     export_model(work_dir / "sft", out_dir, dtype="float32")
-    (out_dir / "BUILD.json").write_text(json.dumps(dict(
-        num_images=num_images, seed=seed, vae_steps=vae_steps, vae_final_mse=mse, sft_steps=sft_steps,
-        sft_batch=sft_batch, transformer=TRANSFORMER_CONFIG, vae=VAE_CONFIG, device=str(dev),
-        command=f"imagerl build-quickstart-model OUT --seed {seed} --num-images {num_images} --vae-steps {vae_steps} "
-                f"--sft-steps {sft_steps}"), indent=1))
+    write_build_record(out_dir, num_images=num_images, seed=seed, vae_steps=vae_steps, vae_final_mse=mse,
+                       sft_steps=sft_steps, sft_batch=sft_batch, device=str(dev))
     log(f"quickstart model written to {out_dir} (sft run: {run.run_dir})")
     return out_dir
+
+
+def sft_config(base: Path, captions_file: Path, output_dir: Path, *, steps: int, batch: int, seed: int, device,
+               **overrides):
+    """The SFT of the quickstart model: full transformer, flow matching at 64 px, lr SFT_LR after 100 warm-up
+    steps, caption dropout 0.1 (keeps CFG's unconditional branch), fp32; `overrides` for logging/checkpoints."""
+    from imagerl.sft import SFTConfig
+
+    settings = dict(model=str(base), data=str(captions_file), height=64, width=64, lora_rank=0, lr=SFT_LR,
+                    lr_warmup_steps=100, weight_decay=0.0, batch_size=batch, num_steps=steps, seed=seed,
+                    caption_dropout=0.1, gradient_checkpointing=False, output_dir=str(output_dir),
+                    checkpoint_every=steps, log_every=max(1, steps // 20), tensorboard=False, device=str(device),
+                    dtype="float32")
+    return SFTConfig(**{**settings, **overrides})
+
+
+def write_build_record(model_dir: Path, *, num_images: int, seed: int, vae_steps: int, vae_final_mse: float,
+                       sft_steps: int, sft_batch: int, device: str) -> None:
+    """BUILD.json: how the model was made, with the command that rebuilds it."""
+    (Path(model_dir) / "BUILD.json").write_text(json.dumps(dict(
+        num_images=num_images, seed=seed, vae_steps=vae_steps, vae_final_mse=vae_final_mse, sft_steps=sft_steps,
+        sft_batch=sft_batch, sft_lr=SFT_LR, transformer=TRANSFORMER_CONFIG, vae=VAE_CONFIG, device=device,
+        command=f"imagerl build-quickstart-model OUT --seed {seed} --num-images {num_images} --vae-steps {vae_steps} "
+                f"--sft-steps {sft_steps} --sft-batch {sft_batch}"), indent=1))
