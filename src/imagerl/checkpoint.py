@@ -233,10 +233,9 @@ def merged_lora_transformer(base: Path, lora_dir: Path):
 def _load_distributed(path: Path, module, optimizer, with_model: bool) -> None:
     """dcp.load into this rank's (possibly sharded) state dicts: DCP reshards between world sizes."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-
-    from torch.distributed.checkpoint import DefaultLoadPlanner
 
     state = {"optim": get_optimizer_state_dict(module, optimizer, options=_options())}
     if with_model:

@@ -156,7 +156,7 @@ class FamilyAdapter:
 
         params = dict(self.transformer.named_parameters())
         if any(_is_dtensor(p) for p in params.values()):
-            state = {k: _like(v, params.get(_peft_param_name(k, self.lora_config))) for k, v in state.items()}
+            state = {k: _like(v, params.get(_peft_param_name(k))) for k, v in state.items()}
         result = set_peft_model_state_dict(self.transformer, state)
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
@@ -207,7 +207,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if _is_dtensor(t) else t
 
 
-def _peft_param_name(key: str, lora_config) -> str:
+def _peft_param_name(key: str) -> str:
     """PEFT state-dict key (x.lora_A.weight) -> the module's parameter name (x.lora_A.default.weight)."""
     for part in (".lora_A.", ".lora_B."):
         key = key.replace(part, f"{part}default.")
