@@ -219,6 +219,7 @@ def test_empty_recipe_file_gives_the_defaults(tmp_path):
     (["reward.on_error=ignore"], 1, r"reward\.on_error must be 'error' or 'skip', got 'ignore'"),
     (["sample.sde_type=ode"], 1, r"sample\.sde_type must be 'sde' or 'cps', got 'ode'"),
     (["model.dtype=float16"], 1, r"model\.dtype must be auto, float32 or bfloat16, got 'float16'"),
+    (["model.vae_dtype=float16"], 1, r"model\.vae_dtype must be 'float32' or 'bfloat16', got 'float16'"),
     (["sample.group_size=0"], 1, r"sample\.group_size must be >= 1, got 0"),
     (["sample.batch_size=0"], 1, r"sample\.batch_size must be >= 1"),
     (["model.lora_rank=0"], 1, r"model\.lora_rank must be >= 1"),

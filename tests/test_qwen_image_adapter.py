@@ -96,3 +96,45 @@ def test_rope_tables_are_built_on_the_compute_device(adapter):
         device_built = QwenEmbedRope(theta=rope.theta, axes_dim=list(rope.axes_dim), scale_rope=True)
     assert rope.pos_freqs.device.type == adapter.device.type
     assert torch.equal(rope.pos_freqs, device_built.pos_freqs) and torch.equal(rope.neg_freqs, device_built.neg_freqs)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_grouping_rows_by_text_length_equals_the_padded_masked_forward(adapter, guidance):
+    """model.group_text_lengths: one unmasked forward per text length (two prompts of different lengths,
+    and the uncond rows) gives the padded, masked forward's velocity, rows in the same order."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 16, 16)
+    t = torch.tensor([900.0, 500.0, 100.0])
+    emb = adapter.encode_prompts([PROMPTS[0], PROMPTS[1], PROMPTS[0]])
+    assert emb[0].shape[0] != emb[1].shape[0]
+    neg = adapter.encode_prompts([" "]) * 3
+    padded = adapter.conditioning(emb, neg, guidance)
+    assert padded.mask_BL is not None
+    adapter.group_text_lengths = True
+    try:
+        grouped = adapter.conditioning(emb, neg, guidance)
+        assert grouped.embeds_BLD is None and grouped.num_images == 3
+        assert len(grouped.rows_G) == (3 if guidance > 1 else 2)
+        v_grouped = adapter.velocity(x, t, grouped, 64, 64)
+    finally:
+        adapter.group_text_lengths = False
+    v_padded = adapter.velocity(x, t, padded, 64, 64)
+    torch.testing.assert_close(v_grouped, v_padded, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_vae_decode_is_close_to_fp32(tiny_checkpoint):
+    """model.vae_dtype=bfloat16: prepare_adapter casts the VAE; decode still returns float32 images in [0, 1],
+    close to the fp32 decode (bf16 keeps 8 bits of mantissa: errors of a few 1e-3 on [0, 1])."""
+    from imagerl.components import prepare_adapter
+    from imagerl.config import load_config
+
+    adapter = QwenImageFamily.from_pretrained(tiny_checkpoint, torch.device("cpu"), torch.float32)
+    torch.manual_seed(3)
+    latents = torch.randn(2, 16, 16)
+    reference = adapter.decode(latents, 64, 64)
+    prepare_adapter(adapter, load_config("quickstart", ["model.vae_dtype=bfloat16", "model.lora_rank=2"]))
+    assert adapter.vae.dtype == torch.bfloat16
+    images = adapter.decode(latents, 64, 64)
+    assert images.dtype == torch.float32 and images.shape == reference.shape
+    diff = (images - reference).abs()
+    assert 0 < diff.max() < 0.05 and diff.mean() < 5e-3, (diff.max(), diff.mean())

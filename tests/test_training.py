@@ -35,9 +35,10 @@ def _rollout(cfg, step=0):
     return adapter, generate(adapter, groups, cfg, step, window)
 
 
-def test_frozen_weights_replay_rollout_log_probs_exactly(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("group_text_lengths", [False, True])
+def test_frozen_weights_replay_rollout_log_probs_exactly(tiny_checkpoint, tmp_path, group_text_lengths):
     cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.group_size=3", "sample.batch_size=3",
-                      "train.num_optimizer_steps=1")
+                      "train.num_optimizer_steps=1", f"model.group_text_lengths={group_text_lengths}")
     adapter, rollout = _rollout(cfg)
     assert rollout.log_probs_BS.shape == (6, 2) and torch.isfinite(rollout.log_probs_BS).all()
     assert rollout.latents_BSNC.dtype == torch.float32

@@ -119,6 +119,26 @@ def _build_quickstart_model(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from pathlib import Path
+
+    from imagerl.perf.bench import DEFAULT_VARIANTS, run_bench
+
+    variants = None
+    if args.variant:
+        variants = {}
+        for spec in args.variant:
+            name, _, overrides = spec.partition(":")
+            if not name.strip():
+                raise ValueError(f"--variant {spec!r} must look like 'name:section.key=value,section.key=value'")
+            variants[name.strip()] = [o.strip() for o in overrides.split(",") if o.strip()]
+    elif args.family not in DEFAULT_VARIANTS:
+        raise ValueError(f"unknown family {args.family!r}; choose one of {', '.join(DEFAULT_VARIANTS)}")
+    run_bench(args.family, variants, baseline=not args.no_baseline, warmup=args.warmup, iterations=args.iterations,
+              dry=args.dry_run, out=Path(args.out) if args.out else None)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imagerl", description="Online RL (Flow-GRPO) for flow-matching text-to-image models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-batch", type=int, default=64)
     p.add_argument("--device", default="auto")
     p.set_defaults(fn=_build_quickstart_model)
+    p = sub.add_parser("bench", help="throughput and MFU of whole Flow-GRPO iterations on released-size random "
+                       "models (GPU), imagerl beside a diffusers + peft flow_grpo-style baseline")
+    p.add_argument("--family", default="qwen_image", help="qwen_image (with the baseline) | qwen_image21")
+    p.add_argument("--variant", action="append", default=[], help="'name:override,override' (repeatable), e.g. "
+                   "'compile b8:parallel.compile=true,sample.batch_size=8'; default: the family's standard set")
+    p.add_argument("--no-baseline", action="store_true", help="skip the diffusers + peft baseline")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per variant (default 1)")
+    p.add_argument("--iterations", type=int, default=2, help="measured iterations per variant (default 2)")
+    p.add_argument("--out", default=None, help="write bench_<family>.json and .md here")
+    p.add_argument("--dry-run", action="store_true", help="1-layer models at 64 px on the CPU: checks the code path")
+    p.set_defaults(fn=_bench)
     p = sub.add_parser("recipes", help="list bundled recipes")
     p.set_defaults(fn=_recipes)
     p = sub.add_parser("report", help="summary table of a run; writes plots/reward.png and plots/phases.png")

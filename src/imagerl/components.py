@@ -55,6 +55,16 @@ def load_adapter(cfg: Config, world: World):
     path = resolve_model_path(cfg.model.path, world)
     family = family_class(path, cfg.model.family)
     adapter = family.from_pretrained(path, world.device, resolve_dtype(cfg.model.dtype, world.device), cfg.model.prompt_cache_size)
+    return prepare_adapter(adapter, cfg)
+
+
+def prepare_adapter(adapter, cfg: Config):
+    """Apply cfg.model's execution settings to a loaded adapter and add a fresh LoRA."""
+    adapter.group_text_lengths = cfg.model.group_text_lengths
+    vae_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.model.vae_dtype)
+    if vae_dtype is None:
+        raise ValueError(f"model.vae_dtype must be float32 or bfloat16, got {cfg.model.vae_dtype!r}")
+    adapter.vae.to(vae_dtype)
     torch.manual_seed(cfg.run.seed)  # LoRA init (gaussian A) is the only draw from the global RNG
     adapter.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha,
                      True if cfg.model.lora_init == "default" else cfg.model.lora_init,

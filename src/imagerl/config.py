@@ -43,6 +43,14 @@ class ModelConfig:
     gradient_checkpointing: bool = True
     prompt_cache_size: int = 4096
     """Prompt embeddings kept (LRU) across rollouts; one text-encoder pass per unique prompt."""
+    vae_dtype: str = "float32"
+    """VAE decode (and encode) dtype: "float32" (flow_grpo, the pipeline's output path) or "bfloat16" (faster;
+    the images, and so the rewards, differ slightly: benchmarks/RESULTS.md measures by how much)."""
+    group_text_lengths: bool = False
+    """qwen_image: run the rows of a batch with different text lengths (cond vs uncond with CFG, prompts of
+    different lengths) as separate unmasked forwards instead of one forward padded to the longest row with a
+    key mask (flow_grpo, the pipeline): no padded tokens and attention without a mask; the same math. qwen_image21
+    always groups by length."""
 
 
 @dataclass
@@ -345,6 +353,8 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             raise ValueError(f"{key} must be >= 1, got {value}")
     if not 1 <= world_size:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if cfg.model.vae_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"model.vae_dtype must be 'float32' or 'bfloat16', got {cfg.model.vae_dtype!r}")
     if s.sde_type not in ("sde", "cps"):
         raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
     if s.noise_level <= 0:

@@ -22,14 +22,31 @@ class Conditioning:
     cond+uncond batch of one CFG forward). mask_BL is None when no row is padded.
     """
 
-    embeds_BLD: torch.Tensor
+    embeds_BLD: torch.Tensor | None
     mask_BL: torch.Tensor | None
     guidance_scale: float
     cfg: bool
+    # model.group_text_lengths: rows grouped by text length instead (see group_rows_by_length); embeds_BLD is None
+    rows_G: list[torch.Tensor] | None = None
+    embeds_G: list[torch.Tensor] | None = None
+    inverse: torch.Tensor | None = None
 
     @property
     def num_images(self) -> int:
-        return self.embeds_BLD.shape[0] // (2 if self.cfg else 1)
+        rows = self.embeds_BLD.shape[0] if self.embeds_BLD is not None else len(self.inverse)
+        return rows // (2 if self.cfg else 1)
+
+
+def group_rows_by_length(rows: list[torch.Tensor], device) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Text rows (L_i, D) grouped by length into unpadded sub-batches: (row indices per group, (n_g, L_g, D)
+    embeddings per group, the permutation that puts the concatenated group outputs back in row order)."""
+    by_length: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_length.setdefault(r.shape[0], []).append(i)
+    groups = list(by_length.values())
+    rows_G = [torch.tensor(g, device=device) for g in groups]
+    embeds_G = [torch.stack([rows[i] for i in g]).to(device) for g in groups]
+    return rows_G, embeds_G, torch.argsort(torch.cat(rows_G))
 
 
 class PromptCache:
@@ -108,6 +125,9 @@ class FamilyAdapter:
     default_num_steps: int = 50  # the pipeline's num_inference_steps default (inference only)
     default_resolution: int = 1024
     supports_kv_cache: bool = False
+    # model.group_text_lengths (qwen_image): rows of different text lengths run as separate unmasked forwards (no
+    # padded tokens, attention without a mask) instead of one padded, masked forward; the same math
+    group_text_lengths: bool = False
     lora_target_modules: tuple[str, ...] = ()
     pipeline_class_name: str = ""
 

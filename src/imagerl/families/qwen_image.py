@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from imagerl.families.base import (Conditioning, FamilyAdapter, PromptCache, check_components, loading,
-                                   read_json, read_model_index)
+from imagerl.families.base import (Conditioning, FamilyAdapter, PromptCache, check_components, group_rows_by_length,
+                                   loading, read_json, read_model_index)
 from imagerl.families.registry import register_family
 
 PROMPT_TEMPLATE = (
@@ -160,6 +160,9 @@ class QwenImageFamily(FamilyAdapter):
         assert not kv_cache, "qwen_image has no prefix KV cache (train() rejects sample.kv_cache for it)"
         cfg = guidance_scale > 1 and uncond is not None
         rows = list(cond) + (list(uncond) if cfg else [])
+        if self.group_text_lengths:
+            rows_G, embeds_G, inverse = group_rows_by_length(rows, self.device)
+            return Conditioning(None, None, float(guidance_scale), cfg, rows_G, embeds_G, inverse)
         length = max(r.shape[0] for r in rows)
         embeds = torch.zeros(len(rows), length, rows[0].shape[1], dtype=rows[0].dtype, device=self.device)
         mask = torch.zeros(len(rows), length, dtype=torch.bool, device=self.device)
@@ -178,15 +181,21 @@ class QwenImageFamily(FamilyAdapter):
         hidden = latents_BNC.repeat(reps, 1, 1) if reps > 1 else latents_BNC
         t = timesteps_B.to(self.device, torch.float32).repeat(reps) / 1000
         with self.autocast():
-            pred = self.transformer(
-                hidden_states=hidden, timestep=t, encoder_hidden_states=cond.embeds_BLD,
-                encoder_hidden_states_mask=cond.mask_BL, img_shapes=[[(1, h // 2, w // 2)]] * hidden.shape[0],
-                return_dict=False,
-            )[0].float()
+            if cond.rows_G is None:
+                pred = self._forward(hidden, t, cond.embeds_BLD, cond.mask_BL, h, w)
+            else:  # one unmasked forward per text length
+                pred = torch.cat([self._forward(hidden[rows], t[rows], embeds, None, h, w)
+                                  for rows, embeds in zip(cond.rows_G, cond.embeds_G)])[cond.inverse]
         if not cond.cfg:
             return pred
         c, u = pred.chunk(2)
         return cfg_combine(c, u, cond.guidance_scale)
+
+    def _forward(self, hidden_BNC, t_B, embeds_BLD, mask_BL, h: int, w: int) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=hidden_BNC, timestep=t_B, encoder_hidden_states=embeds_BLD, encoder_hidden_states_mask=mask_BL,
+            img_shapes=[[(1, h // 2, w // 2)]] * hidden_BNC.shape[0], return_dict=False,
+        )[0].float()
 
     @torch.no_grad()
     def encode_images(self, images_B3HW: torch.Tensor) -> torch.Tensor:

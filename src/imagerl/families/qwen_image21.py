@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from imagerl.families.base import FamilyAdapter, PromptCache, check_components, loading, read_json, read_model_index
+from imagerl.families.base import (FamilyAdapter, PromptCache, check_components, group_rows_by_length, loading, read_json,
+                                   read_model_index)
 from imagerl.families.registry import register_family
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
@@ -195,21 +196,14 @@ class QwenImage21Family(FamilyAdapter):
                      kv_cache: bool = False) -> Conditioning21:
         """Group the rows (cond, then uncond when CFG is on) by text length into unpadded sub-batches."""
         cfg = guidance_scale > 1 and uncond is not None
-        rows = list(cond) + (list(uncond) if cfg else [])
-        by_length: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            by_length.setdefault(r.shape[0], []).append(i)
-        groups = list(by_length.values())
-        rows_G = [torch.tensor(g, device=self.device) for g in groups]
-        embeds_G = [torch.stack([rows[i] for i in g]).to(self.device) for g in groups]
-        inverse = torch.argsort(torch.cat(rows_G))
+        rows_G, embeds_G, inverse = group_rows_by_length(list(cond) + (list(uncond) if cfg else []), self.device)
         caches = None
         if kv_cache:
             from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
             if not self.transformer.config.causal_condition:
                 raise ValueError("sample.kv_cache needs a transformer with causal_condition=True")
-            caches = [QwenImage21KVCache(len(self.transformer.transformer_blocks)) for _ in groups]
+            caches = [QwenImage21KVCache(len(self.transformer.transformer_blocks)) for _ in rows_G]
         return Conditioning21(rows_G, embeds_G, inverse, float(guidance_scale), cfg, len(cond), caches)
 
     # --- the model ------------------------------------------------------------------------------

@@ -1,0 +1,347 @@
+"""`imagerl bench`: whole Flow-GRPO iterations on released-size random-weight models, imagerl's loop and a
+plain diffusers + peft flow_grpo-style loop (perf/baseline.py) side by side in one process, with MFU over
+the bf16 matmul ceiling measured in the same run.
+
+Geometry (flow_grpo's Qwen-Image recipe, per GPU): one prompt x group 16 per iteration, 512 px, 10 steps,
+SDE window {3, 4}, 2 optimizer steps per iteration, LoRA r64/a128 on the 12 targets, the real `pickscore`
+reward on a random CLIP ViT-H/14, the text encoder at its released size; qwen_image with true CFG 4,
+qwen_image21 without CFG. Each variant runs `warmup` iterations, then `iterations` measured ones.
+
+Counting (perf/flops.py, reference/diffusers_qwenimage.md section 6): rollout FLOPs = samples x steps x
+(cond forward at the prompt's length + uncond forward at the negative prompt's length); training FLOPs =
+samples x SDE steps x (forward + activation-gradient backward [+ recompute with gradient checkpointing]),
+i.e. recompute is counted as work done (hardware FLOPs). Text encoder, VAE and reward are not counted
+(they are in the end-to-end time). Padding of cond/uncond rows to one length is not counted as work.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen_image", "qwen_image21")
+RECIPES = {"qwen_image": "qwen_image_jpeg", "qwen_image21": "qwen_image21_jpeg"}
+GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.height=512", "sample.width=512",
+            "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_start=3", "train.num_optimizer_steps=2",
+            "model.lora_rank=64", "model.lora_alpha=128", "model.lora_init=gaussian", "reward.weights={pickscore: 1.0}"]
+DRY_GEOMETRY = ["sample.group_size=4", "sample.height=64", "sample.width=64", "sample.num_steps=6",
+                "sample.batch_size=2", "model.lora_rank=4", "model.lora_alpha=8"]
+DEFAULT_VARIANTS = {
+    "qwen_image": {"imagerl": [], "imagerl grouped": ["model.group_text_lengths=true"],
+                   "imagerl grouped b8": ["model.group_text_lengths=true", "sample.batch_size=8"],
+                   "imagerl grouped vae-bf16": ["model.group_text_lengths=true", "model.vae_dtype=bfloat16"],
+                   "imagerl compile grouped": ["parallel.compile=true", "model.group_text_lengths=true"]},
+    "qwen_image21": {"imagerl": [], "imagerl b8": ["sample.batch_size=8"], "imagerl compile": ["parallel.compile=true"]},
+}
+
+
+@dataclass
+class Row:
+    name: str
+    rollout_images_per_s: float
+    train_pairs_per_s: float
+    images_per_s: float  # end to end: whole iterations
+    rollout_mfu: float
+    train_mfu: float  # recompute counted as work when gradient checkpointing is on
+    peak_gib: float
+    log_prob_mean_abs_diff: float  # first optimizer step of each iteration: the weights are the rollout's
+    rollout_s: float
+    reward_wait_s: float
+    train_s: float
+    total_s: float
+    text_tokens: int
+    overrides: list
+
+
+def _prompts() -> list[str]:
+    shared = Path(__file__).resolve().parents[3] / ".." / "shared" / "datasets" / "ocr" / "prompts.txt"
+    if shared.is_file():
+        lines = [l for l in shared.read_text().splitlines() if l.strip()]
+        if lines:
+            return lines[:64]
+    from imagerl.data import bundled_prompt_file
+
+    return [l for l in bundled_prompt_file().read_text().splitlines() if l.strip()][:64]
+
+
+class _Device:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float:
+        return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else float("nan")
+
+
+def _forward_flops(transformer, image_tokens: int, text_tokens: list[int], lora_rank: int, targets) -> int:
+    """Analytic FLOPs of one guided velocity for one sample: one forward per row (cond, and uncond with CFG)."""
+    from imagerl.perf.flops import QwenImageDims, qwen_image_forward_flops
+
+    dims = QwenImageDims.from_config(transformer.config)
+    return sum(qwen_image_forward_flops(dims, image_tokens, length, lora_rank, tuple(targets)) for length in text_tokens)
+
+
+def _row(name, overrides, times: list[dict], flops_rollout: int, flops_train: int, ceiling: float, images: int,
+         pairs: int, text_tokens: int) -> Row:
+    mean = {k: statistics.fmean(t[k] for t in times) for k in times[0]}
+    return Row(name=name, rollout_images_per_s=images / mean["rollout_s"], train_pairs_per_s=pairs / mean["train_s"],
+               images_per_s=images / mean["total_s"],
+               rollout_mfu=flops_rollout / mean["rollout_s"] / ceiling if flops_rollout else float("nan"),
+               train_mfu=flops_train / mean["train_s"] / ceiling if flops_train else float("nan"),
+               peak_gib=max(t["peak_gib"] for t in times), log_prob_mean_abs_diff=max(t["lp_diff"] for t in times),
+               rollout_s=mean["rollout_s"], reward_wait_s=mean["reward_s"], train_s=mean["train_s"],
+               total_s=mean["total_s"], text_tokens=text_tokens, overrides=list(overrides))
+
+
+class Bench:
+    def __init__(self, family: str, device: torch.device, dry: bool, workdir: Path, warmup: int, iterations: int):
+        from imagerl.config import load_config
+        from imagerl.perf.real_size import build_qwen_image, build_qwen_image21, save_pickscore_size_clip
+        from imagerl.rewards import Scorer
+
+        if family not in FAMILIES:
+            raise ValueError(f"imagerl bench: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+        self.family, self.device, self.dry = family, device, dry
+        self.warmup, self.iterations = warmup, iterations
+        self.dev = _Device(device)
+        self.prompts = _prompts()
+        save_pickscore_size_clip(workdir / "pickscore", device, dry=dry)
+        build = build_qwen_image if family == "qwen_image" else build_qwen_image21
+        t0 = time.perf_counter()
+        self.transformer, self.vae, self.text_encoder, self.tokenizer = build(device, self.prompts, 1 if dry else None)
+        self.build_s = time.perf_counter() - t0
+        self.base_overrides = GEOMETRY + (DRY_GEOMETRY if dry else []) + [f"reward.pickscore_model={workdir / 'pickscore'}"]
+        if device.type != "cuda":
+            self.base_overrides.append("model.device=cpu")
+        self.scorer = Scorer(load_config(RECIPES[family], self.base_overrides).reward, device)
+
+    def config(self, overrides: list[str]):
+        from imagerl.config import load_config, validate
+
+        cfg = load_config(RECIPES[self.family], self.base_overrides + list(overrides))
+        validate(cfg)
+        return cfg
+
+    def _adapter(self):
+        from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+
+        if self.family == "qwen_image":
+            from imagerl.families.qwen_image import QwenImageFamily as Family
+        else:
+            from imagerl.families.qwen_image21 import QwenImage21Family as Family
+        return Family(self.transformer, self.vae, self.text_encoder, self.tokenizer, QWEN_IMAGE_SCHEDULER_CONFIG,
+                      self.device, torch.bfloat16)
+
+    def _iteration_flops(self, cfg, adapter, text_tokens: list[int]) -> tuple[int, int]:
+        from imagerl.perf.flops import training_flops
+
+        if self.family != "qwen_image":
+            return 0, 0  # analytic counts exist for Qwen-Image 1.0 only (perf/flops.py)
+        s = cfg.sample
+        forward = _forward_flops(self.transformer, adapter.image_seq_len(s.height, s.width), text_tokens,
+                                 cfg.model.lora_rank, adapter.lora_target_modules)
+        samples = s.prompts_per_rollout * s.group_size
+        train = training_flops(forward, full_fine_tune=False, recompute=cfg.model.gradient_checkpointing)
+        return samples * s.num_steps * forward, samples * s.num_sde_steps * train
+
+    def run_imagerl(self, name: str, overrides: list[str], ceiling: float) -> Row:
+        """imagerl's own loop body (train.py): generate (scored as it goes) -> advantages -> flow_grpo_update."""
+        from imagerl.algorithms.advantages import rollout_advantages
+        from imagerl.algorithms.flow_grpo import flow_grpo_update
+        from imagerl.components import make_optimizer, prepare_adapter, resolve_family_defaults
+        from imagerl.data import PromptGroups
+        from imagerl.distributed.fsdp import apply_parallelism
+        from imagerl.distributed.parallel import World
+        from imagerl.rollout import generate
+        from imagerl.sampling import sde_window
+        from imagerl.scoring import AsyncScorer
+
+        cfg = self.config(overrides)
+        adapter = prepare_adapter(self._adapter(), cfg)  # as components.load_adapter, on the shared modules
+        resolve_family_defaults(cfg, adapter)
+        world = World(0, 1, self.device)
+        apply_parallelism(adapter, cfg, world)
+        optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
+        scoring = AsyncScorer(self.scorer, enabled=cfg.reward.async_scoring)
+        times, text_tokens = [], []
+        try:
+            for it in range(self.warmup + self.iterations):
+                groups = PromptGroups([self.prompts[it % len(self.prompts)]], [{}], [0])
+                window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
+                                    cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=it)
+                self.dev.sync()
+                self.dev.reset_peak()
+                t0 = time.perf_counter()
+                rollout = generate(adapter, groups, cfg, it, window, on_batch=scoring.submit)
+                self.dev.sync()
+                t1 = time.perf_counter()
+                scored = scoring.collect()
+                advantages, _ = rollout_advantages(scored.rewards.total_B, scored.rewards.valid_B, rollout.group_ids_B,
+                                                   world, cfg.train.global_std)
+                t2 = time.perf_counter()
+                stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world)
+                self.dev.sync()
+                t3 = time.perf_counter()
+                if it >= self.warmup:
+                    lengths = [rollout.text_B[0].shape[0]] + ([rollout.negative.shape[0]] if rollout.negative is not None
+                                                              and cfg.sample.guidance_scale > 1 else [])
+                    text_tokens.append(lengths)
+                    times.append(dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2, total_s=t3 - t0,
+                                      peak_gib=self.dev.peak_gib(), lp_diff=stats.log_prob_mean_abs_diff))
+        finally:
+            scoring.close()
+        flops = [self._iteration_flops(cfg, adapter, lengths) for lengths in text_tokens]
+        samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
+        row = _row(name, overrides, times, sum(f[0] for f in flops) // len(flops), sum(f[1] for f in flops) // len(flops),
+                   ceiling, samples, samples * cfg.sample.num_sde_steps, text_tokens[0][0])
+        self._undo(adapter)
+        return row
+
+    def run_baseline(self, ceiling: float, gradient_checkpointing: bool = True) -> Row:
+        """The flow_grpo-style loop on diffusers + peft (perf/baseline.py), same geometry and reward."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+        from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+        from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
+
+        if self.family != "qwen_image":
+            raise ValueError("the diffusers + peft baseline is Qwen-Image 1.0's flow_grpo loop")
+        cfg = self.config([])
+        s = cfg.sample
+        pipe = QwenImagePipeline(FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), self.vae,
+                                 self.text_encoder, self.tokenizer, self.transformer)
+        settings = BaselineSettings(height=s.height, width=s.width, num_steps=s.num_steps, guidance_scale=4.0,
+                                    noise_level=s.noise_level, sde_steps=(3, 4), group_size=s.group_size,
+                                    batch_size=s.batch_size, num_optimizer_steps=cfg.train.num_optimizer_steps,
+                                    lr=cfg.train.lr, clip_range=cfg.train.clip_range, lora_rank=cfg.model.lora_rank,
+                                    lora_alpha=cfg.model.lora_alpha, gradient_checkpointing=gradient_checkpointing)
+
+        def reward_fn(images, prompts):
+            return self.scorer.score(images, prompts, [{}] * len(prompts)).total_B.float()
+
+        torch.manual_seed(cfg.run.seed)
+        baseline = FlowGRPOBaseline(pipe, reward_fn, settings, self.device)
+        times, lengths = [], None
+        for it in range(self.warmup + self.iterations):
+            self.dev.sync()
+            self.dev.reset_peak()
+            r = baseline.iteration(self.prompts[it % len(self.prompts)], generator_seed=it)
+            if it >= self.warmup:
+                lengths = r["text_tokens"]
+                times.append(dict(rollout_s=r["rollout_s"], reward_s=r["reward_s"], train_s=r["train_s"],
+                                  total_s=r["total_s"], peak_gib=self.dev.peak_gib(), lp_diff=r["log_prob_mean_abs_diff"]))
+        baseline.remove()
+        if self.transformer.is_gradient_checkpointing:
+            self.transformer.disable_gradient_checkpointing()
+        adapter = self._adapter()
+        tokens = [lengths, adapter.encode_prompts([" "])[0].shape[0]] if not isinstance(lengths, list) else lengths
+        f_roll, f_train = self._iteration_flops(self.config([f"model.gradient_checkpointing={gradient_checkpointing}"]),
+                                                adapter, tokens)
+        return _row("baseline (diffusers+peft)", [], times, f_roll, f_train, ceiling, s.group_size,
+                    s.group_size * s.num_sde_steps, tokens[0])
+
+    def vae_bf16_effect(self, num_images: int = 16) -> dict:
+        """Decode the same latents (N(0, 1), seeded) with the VAE in fp32 and in bf16 and score both images with
+        the reward: what model.vae_dtype=bfloat16 changes (random weights: images and rewards are arbitrary,
+        the differences are the decode precision's)."""
+        cfg = self.config([])
+        adapter = self._adapter()
+        s = cfg.sample
+        h, w = adapter.latent_grid(s.height, s.width)
+        latents = torch.randn(num_images, (h // 2) * (w // 2), self.transformer.config.in_channels,
+                              generator=torch.Generator().manual_seed(0)).to(self.device)
+        images = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            self.vae.to(dtype)
+            images[dtype] = adapter.decode(latents, s.height, s.width).cpu()
+        self.vae.to(torch.float32)
+        prompts = [self.prompts[0]] * num_images
+        rewards = {d: self.scorer.score(x, prompts, [{}] * num_images).total_B for d, x in images.items()}
+        pixel = (images[torch.bfloat16] - images[torch.float32]).abs()
+        delta = (rewards[torch.bfloat16] - rewards[torch.float32]).abs()
+        return {"pixel_abs_diff_max": pixel.max().item(), "pixel_abs_diff_mean": pixel.mean().item(),
+                "reward_abs_diff_max": delta.max().item(), "reward_abs_diff_mean": delta.mean().item(),
+                "reward_std_fp32": rewards[torch.float32].std().item()}
+
+    def _undo(self, adapter) -> None:
+        """Return the shared transformer to its plain state for the next variant."""
+        for block in adapter.transformer_blocks():
+            block._compiled_call_impl = None  # nn.Module.compile's wrapper
+        if self.transformer.is_gradient_checkpointing:
+            self.transformer.disable_gradient_checkpointing()
+        self.transformer.delete_adapters("default")
+        self.vae.to(torch.float32)
+        gc.collect()
+        if self.dev.cuda:
+            torch.cuda.empty_cache()
+
+
+def format_table(rows: list[Row], baseline: Row | None) -> str:
+    head = ("variant", "rollout img/s", "train pairs/s", "e2e img/s", "x baseline", "MFU roll", "MFU train",
+            "peak GiB", "lp diff")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        ratio = r.images_per_s / baseline.images_per_s if baseline else float("nan")
+        lines.append(" | ".join([r.name, f"{r.rollout_images_per_s:.3f}", f"{r.train_pairs_per_s:.3f}",
+                                 f"{r.images_per_s:.3f}", f"{ratio:.2f}", f"{r.rollout_mfu:.1%}", f"{r.train_mfu:.1%}",
+                                 f"{r.peak_gib:.1f}", f"{r.log_prob_mean_abs_diff:.2g}"]))
+    return "\n".join(lines)
+
+
+def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None = None, *, baseline: bool = True,
+              warmup: int = 1, iterations: int = 2, dry: bool = False, out: Path | None = None, echo=print) -> list[Row]:
+    """Run the baseline (qwen_image) and each variant (name -> overrides); print and return the rows."""
+    from imagerl.perf.flops import measure_matmul_flops_per_s
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not dry else "cpu")
+    if device.type != "cuda" and not dry:
+        raise RuntimeError("imagerl bench needs a CUDA GPU (released-size models); --dry-run checks the code path on CPU")
+    if variants is None:
+        variants = {"imagerl": [], "imagerl grouped": ["model.group_text_lengths=true"]} if dry else DEFAULT_VARIANTS[family]
+    ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=512 if dry else 8192, iterations=3 if dry else 20)
+    echo(f"bf16 matmul ceiling: {ceiling / 1e12:.1f} TFLOP/s")
+    rows, base, vae = [], None, None
+    info = {"family": family, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "matmul_ceiling_flops": ceiling,
+            "warmup": warmup, "iterations": iterations}
+
+    def save():  # after every row, so a run cut short keeps what it measured
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            record = dict(info, build_s=bench.build_s, vae_bf16=vae, rows=[asdict(r) for r in rows])
+            (out / f"bench_{family}.json").write_text(json.dumps(record, indent=1))
+            (out / f"bench_{family}.md").write_text(format_table(rows, base) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = Bench(family, device, dry, Path(tmp), warmup, iterations)
+        echo(f"built {family} (random weights) in {bench.build_s:.1f} s")
+        if baseline and family == "qwen_image":
+            base = bench.run_baseline(ceiling)
+            rows.append(base)
+            echo(format_table(rows[-1:], base))
+            save()
+        for name, overrides in variants.items():
+            rows.append(bench.run_imagerl(name, overrides, ceiling))
+            echo(format_table(rows[-1:], base))
+            save()
+        vae = bench.vae_bf16_effect()
+        save()
+    echo(f"bf16 VAE decode vs fp32 (same latents): |pixel diff| max {vae['pixel_abs_diff_max']:.3g} mean "
+         f"{vae['pixel_abs_diff_mean']:.3g}; |reward diff| max {vae['reward_abs_diff_max']:.3g} mean "
+         f"{vae['reward_abs_diff_mean']:.3g} (reward std over the images {vae['reward_std_fp32']:.3g})")
+    echo(format_table(rows, base))
+    return rows
