@@ -135,7 +135,8 @@ def _bench(args) -> int:
     elif args.family not in DEFAULT_VARIANTS:
         raise ValueError(f"unknown family {args.family!r}; choose one of {', '.join(DEFAULT_VARIANTS)}")
     run_bench(args.family, variants, baseline=not args.no_baseline, warmup=args.warmup, iterations=args.iterations,
-              dry=args.dry_run, out=Path(args.out) if args.out else None)
+              dry=args.dry_run, out=Path(args.out) if args.out else None,
+              profiles=[[o.strip() for o in spec.split(",") if o.strip()] for spec in args.profile])
     return 0
 
 
@@ -236,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per variant (default 1)")
     p.add_argument("--iterations", type=int, default=2, help="measured iterations per variant (default 2)")
     p.add_argument("--out", default=None, help="write bench_<family>.json and .md here")
+    p.add_argument("--profile", action="append", default=[], help="'override,override' (repeatable; '' for the "
+                   "defaults): first print torch.profiler's GPU time by operator for one forward and one training step")
     p.add_argument("--dry-run", action="store_true", help="1-layer models at 64 px on the CPU: checks the code path")
     p.set_defaults(fn=_bench)
     p = sub.add_parser("recipes", help="list bundled recipes")

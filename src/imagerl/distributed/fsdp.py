@@ -35,8 +35,10 @@ def apply_parallelism(adapter, cfg: Config, world: World) -> str:
     strategy = validate_parallel(cfg, world.size)
     p = cfg.parallel
     if p.compile:
+        # dynamic=True: text lengths (and with model.group_text_lengths the rows per forward) vary from batch to
+        # batch; one symbolic-shape graph per block instead of a recompile per length (verl-omni's choice, A6)
         for block in adapter.transformer_blocks():
-            block.compile()
+            block.compile(dynamic=True)
     world.strategy = strategy
     if strategy != "fsdp":
         return strategy

@@ -254,6 +254,48 @@ class Bench:
         return _row("baseline (diffusers+peft)", [], times, f_roll, f_train, ceiling, s.group_size,
                     s.group_size * s.num_sde_steps, tokens[0])
 
+    def profile(self, overrides: list[str], rows: int = 12) -> str:
+        """torch.profiler over one rollout forward (no grad) and one training forward + backward of one batch of
+        this config: GPU kernel time by operator, against the wall time (where the time goes)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from imagerl.components import prepare_adapter, resolve_family_defaults
+
+        cfg = self.config(overrides)
+        adapter = prepare_adapter(self._adapter(), cfg)
+        resolve_family_defaults(cfg, adapter)
+        s, n = cfg.sample, cfg.sample.batch_size
+        text = adapter.encode_prompts([self.prompts[0]] * n)
+        negative = adapter.encode_prompts([s.negative_prompt])[0]
+        cond = adapter.conditioning(text, [negative] * n, s.guidance_scale)
+        h, w = adapter.latent_grid(s.height, s.width)
+        x = torch.randn(n, (h // 2) * (w // 2), self.transformer.config.in_channels, device=self.device)
+        t = torch.full((n,), 500.0, device=self.device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.cuda else [])
+        report = []
+        for phase, grad in (("rollout forward", False), ("training forward+backward", True)):
+            def step():
+                with torch.set_grad_enabled(grad):
+                    v = adapter.velocity(x, t, cond, s.height, s.width)
+                    if grad:
+                        v.square().mean().backward()
+            step()  # warm-up (allocator, kernels)
+            self.dev.sync()
+            start = time.perf_counter()
+            with profile(activities=activities) as prof:
+                step()
+                self.dev.sync()
+            wall = time.perf_counter() - start
+            key = "self_device_time_total" if self.dev.cuda else "self_cpu_time_total"
+            events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+            busy = sum(getattr(e, key) for e in events) / 1e6
+            report.append(f"{phase} ({' '.join(overrides) or 'defaults'}; batch {n}): wall {wall:.3f} s, kernels "
+                          f"{busy:.3f} s")
+            report += [f"  {getattr(e, key) / 1e6 / max(busy, 1e-9):6.1%} {getattr(e, key) / 1e3:9.1f} ms  x{e.count:<6} "
+                       f"{e.key[:90]}" for e in events[:rows]]
+        self._undo(adapter)
+        return "\n".join(report)
+
     def vae_bf16_effect(self, num_images: int = 16) -> dict:
         """Decode the same latents (N(0, 1), seeded) with the VAE in fp32 and in bf16 and score both images with
         the reward: what model.vae_dtype=bfloat16 changes (random weights: images and rewards are arbitrary,
@@ -303,8 +345,10 @@ def format_table(rows: list[Row], baseline: Row | None) -> str:
 
 
 def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None = None, *, baseline: bool = True,
-              warmup: int = 1, iterations: int = 2, dry: bool = False, out: Path | None = None, echo=print) -> list[Row]:
-    """Run the baseline (qwen_image) and each variant (name -> overrides); print and return the rows."""
+              warmup: int = 1, iterations: int = 2, dry: bool = False, out: Path | None = None,
+              profiles: list[list[str]] = (), echo=print) -> list[Row]:
+    """Profile one step of each config in `profiles` (lists of overrides), then run the baseline (qwen_image) and
+    each variant (name -> overrides); print and return the rows."""
     from imagerl.perf.flops import measure_matmul_flops_per_s
 
     device = torch.device("cuda" if torch.cuda.is_available() and not dry else "cpu")
@@ -314,7 +358,7 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
         variants = {"imagerl": [], "imagerl grouped": ["model.group_text_lengths=true"]} if dry else DEFAULT_VARIANTS[family]
     ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=512 if dry else 8192, iterations=3 if dry else 20)
     echo(f"bf16 matmul ceiling: {ceiling / 1e12:.1f} TFLOP/s")
-    rows, base, vae = [], None, None
+    rows, base, vae, profile_text = [], None, None, []
     info = {"family": family, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "matmul_ceiling_flops": ceiling,
             "warmup": warmup, "iterations": iterations}
@@ -329,6 +373,13 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(family, device, dry, Path(tmp), warmup, iterations)
         echo(f"built {family} (random weights) in {bench.build_s:.1f} s")
+        for overrides in profiles:
+            text = bench.profile(overrides)
+            echo(text)
+            profile_text.append(text)
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"profile_{family}.txt").write_text("\n\n".join(profile_text) + "\n")
         if baseline and family == "qwen_image":
             base = bench.run_baseline(ceiling)
             rows.append(base)
