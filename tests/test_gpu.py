@@ -28,12 +28,12 @@ def test_bf16_rollout_replays_exactly_on_gpu(tiny_checkpoint, tmp_path):
             assert torch.equal(out.log_prob.detach(), rollout.log_probs_BS[batch, j])
 
 
-@pytest.mark.parametrize("group_text_lengths", [False, True])
-def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, group_text_lengths):
+@pytest.mark.parametrize("group_text_lengths, compile", [(False, False), (True, False), (False, True)])
+def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, group_text_lengths, compile):
     from imagerl.train import train
 
     train(tiny_config(tiny_checkpoint, tmp_path, "model.device=cuda", "train.num_rollouts=3", "train.beta=0.01",
-                      f"model.group_text_lengths={group_text_lengths}"))
+                      f"model.group_text_lengths={group_text_lengths}", f"parallel.compile={compile}"))
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in records)
     assert all(r["memory/peak_allocated_gib"] > 0 for r in records)

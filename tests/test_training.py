@@ -160,3 +160,23 @@ def test_last_block_text_branch_lora_gets_no_gradient_and_is_handled(tiny_checkp
     assert all(torch.equal(before[n], after[n]) for n in dead)  # no gradient, so AdamW leaves them (no decay)
     path = save_checkpoint(tmp_path, 1, adapter, optimizer, cfg.to_dict(), keep=1)
     assert load_checkpoint(path, adapter, make_optimizer(adapter.trainable_parameters(), cfg)) == 1
+
+
+def test_rollout_as_training_graph_changes_nothing_in_eager(tiny_checkpoint, tmp_path):
+    """parallel.compile runs the rollout's forwards under grad in train mode (one compiled graph for rollout
+    and training, see rollout._training_graph). Without compilation that path must give the same rollout bit
+    for bit, leave no gradients behind and return the transformer to eval mode. (The compiled case itself
+    needs a GPU: tests/test_gpu.py.)"""
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.group_size=2", "sample.batch_size=2")
+    adapter, plain = _rollout(cfg)
+    cfg.parallel.compile = True  # only the rollout's graph choice: apply_parallelism is not called here
+    groups = GroupSampler(load_prompt_set(bundled_prompt_file()), cfg.sample.prompts_per_rollout, cfg.run.seed).groups_for(0)
+    window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range), cfg.sample.sde_window_start,
+                        seed=cfg.run.seed, rollout_step=0)
+    as_training = generate(adapter, groups, cfg, 0, window)
+    assert torch.equal(as_training.log_probs_BS, plain.log_probs_BS)
+    assert torch.equal(as_training.next_latents_BSNC, plain.next_latents_BSNC)
+    assert torch.equal(as_training.images_B3HW, plain.images_B3HW)
+    assert not as_training.log_probs_BS.requires_grad and not as_training.latents_BSNC.requires_grad
+    assert all(p.grad is None for p in adapter.trainable_parameters())
+    assert not adapter.transformer.training

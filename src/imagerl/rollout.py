@@ -11,6 +11,7 @@ CFG batch and float32 latents), so with unchanged weights it reproduces `log_pro
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,24 @@ class Rollout:
                                     guidance_scale)
 
 
+@contextlib.contextmanager
+def _training_graph(adapter, enabled: bool):
+    """With parallel.compile the rollout's forwards run as training forwards (train mode, grad on, outputs
+    detached by the caller): Inductor compiles an inference graph differently from a training graph's forward
+    and their fused kernels round differently (H200, bf16: the training replay's log-probs were off by 1.2e-5,
+    benchmarks/RESULTS.md); one graph keeps the replay exact. Costs the autograd bookkeeping of a forward
+    (with gradient checkpointing only each block's inputs are held, until the output is dropped)."""
+    if not enabled:
+        yield
+        return
+    adapter.transformer.train()
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        adapter.transformer.eval()
+
+
 def _noise(seed: int, purpose: str, step: int, sample_ids: list[int], shape_fn, *keys: int) -> list[torch.Tensor]:
     return [shape_fn(make_generator(seed, purpose, step, sid, *keys)) for sid in sample_ids]
 
@@ -99,7 +118,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
         ins, outs, lps = [], [], []
         for i in range(s.num_steps):
-            v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w)
+            with _training_graph(adapter, cfg.parallel.compile):
+                v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w).detach()
             if i in window:
                 noise = torch.cat(_noise(seed, "sde_noise", rollout_step, sample_ids_B[batch],
                                          lambda g: torch.randn((1, *x.shape[1:]), generator=g), i))
