@@ -89,7 +89,8 @@ def test_quickstart_learns_on_held_out_prompts(tmp_path):
     """`imagerl train` as shipped (seed 1), evaluated only before and after (the midway evaluation does not
     change training): the held-out shapes reward must rise by more than GAIN_MARGIN, a third of the smallest
     gain measured over three seeds. With train.lr=0 the change is exactly 0, so a broken update fails this.
-    About 4 minutes on 2 CPU cores: the gain needs the full 20 rollouts (after 10 it is +0.000..+0.005)."""
+    About 2 minutes on 2 CPU cores (125 s measured): the gain needs the full 20 rollouts (after 10 it is
+    +0.000..+0.005)."""
     from imagerl.train import train
 
     run = tmp_path / "quickstart"

@@ -287,7 +287,10 @@ class Bench:
                 self.dev.sync()
             wall = time.perf_counter() - start
             key = "self_device_time_total" if self.dev.cuda else "self_cpu_time_total"
-            events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+            # operators only (their self device time is the time of the kernels they launched), not the kernel
+            # rows as well, which would count the same time twice
+            events = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")),
+                            key=lambda e: getattr(e, key), reverse=True)
             busy = sum(getattr(e, key) for e in events) / 1e6
             report.append(f"{phase} ({' '.join(overrides) or 'defaults'}; batch {n}): wall {wall:.3f} s, kernels "
                           f"{busy:.3f} s")

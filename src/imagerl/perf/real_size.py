@@ -5,8 +5,8 @@ the text encoders are the real classes at the released sizes of Qwen2.5-VL-7B (2
 and Qwen3-VL-8B (36 layers, hidden 4096) with their real vocabulary sizes (a 1-layer, 64-wide vision tower:
 text-to-image never calls it); the VAEs are the real architectures. The tokenizer is a BPE trained on the
 benchmark prompts (the test tokenizer, larger vocabulary), so prompt lengths are those of a real BPE.
-Weights are created directly on the device in bf16 (VAE fp32). `layers` shrinks the transformer and text
-encoder to that many layers for a CPU dry run of the same code path.
+Weights are created directly on the device in bf16 (VAE fp32). `layers` shrinks the transformer (also to 2
+heads) and the text encoder to that many layers for a CPU dry run of the same code path.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def _transformer_spec(layers: int | None) -> dict:
+    """The released transformer (the class defaults), or (dry run) `layers` layers of 2 heads (width 256)."""
+    return {} if layers is None else {"num_layers": layers, "num_attention_heads": 2}
+
+
 def _text_spec(spec: dict, layers: int | None, vocab_size: int) -> dict:
     """The released text-encoder size, or (dry run) `layers` layers with a small MLP and the tokenizer's
     vocabulary; the hidden size stays (the transformer's joint_attention_dim)."""
@@ -58,7 +63,7 @@ def build_qwen_image(device, prompts: list[str], layers: int | None = None):
     text = _text_spec(QWEN25_VL_7B, layers, len(tokenizer))
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
     with torch.device(device), _default_dtype(torch.bfloat16):
-        transformer = QwenImageTransformer2DModel(**({} if layers is None else {"num_layers": layers}))
+        transformer = QwenImageTransformer2DModel(**_transformer_spec(layers))
         text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
             text_config=dict(text, rope_parameters=rope, bos_token_id=None, eos_token_id=None),
             vision_config=dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2,
@@ -80,7 +85,7 @@ def build_qwen_image21(device, prompts: list[str], layers: int | None = None):
     rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
             "mrope_section": [24, 20, 20]}
     with torch.device(device), _default_dtype(torch.bfloat16):
-        transformer = QwenImage21Transformer2DModel(**({} if layers is None else {"num_layers": layers}))
+        transformer = QwenImage21Transformer2DModel(**_transformer_spec(layers))
         text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
             text_config=dict(text, rope_parameters=rope),
             vision_config=dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2,

@@ -1,0 +1,69 @@
+"""`imagerl bench` on the CPU (--dry-run: the same code path with 1-layer models at 64 px): the baseline and
+imagerl rows, their exact on-policy replay, the JSON record, the profile and the CLI's argument errors.
+The real measurements need the H200 (benchmarks/RESULTS.md)."""
+
+import json
+
+import pytest
+import torch
+
+from imagerl.cli import main
+from imagerl.perf.bench import run_bench
+
+
+@pytest.fixture(scope="module")
+def dry_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    lines = []
+    rows = run_bench("qwen_image", {"imagerl grouped": ["model.group_text_lengths=true"]}, warmup=0, iterations=1,
+                     dry=True, out=out, profiles=[[]], echo=lines.append)
+    return rows, out, "\n".join(lines)
+
+
+def test_dry_bench_runs_baseline_and_imagerl_on_policy(dry_bench):
+    rows, out, printed = dry_bench
+    assert [r.name for r in rows] == ["baseline (diffusers+peft)", "imagerl grouped"]
+    for r in rows:
+        assert r.images_per_s > 0 and r.rollout_images_per_s > r.images_per_s and r.train_pairs_per_s > 0
+        assert r.rollout_s + r.train_s <= r.total_s + 1e-6
+        assert r.log_prob_mean_abs_diff == 0.0  # frozen weights at the first optimizer step: exact replay
+        assert r.rollout_mfu > 0 and r.train_mfu > 0 and r.text_tokens > 0
+    record = json.loads((out / "bench_qwen_image.json").read_text())
+    assert [r["name"] for r in record["rows"]] == [r.name for r in rows]
+    assert record["matmul_ceiling_flops"] > 0 and record["vae_bf16"]["pixel_abs_diff_max"] > 0
+    assert "x baseline" in printed and "imagerl grouped" in (out / "bench_qwen_image.md").read_text()
+
+
+def test_dry_bench_profile_lists_operators(dry_bench):
+    _, out, printed = dry_bench
+    profile = (out / "profile_qwen_image.txt").read_text()
+    assert "rollout forward (defaults; batch 2)" in profile and "training forward+backward" in profile
+    assert "aten::" in profile and profile in printed
+
+
+def test_the_shared_transformer_is_returned_to_its_plain_state(tmp_path):
+    """Variants share one transformer: after each, no LoRA, no checkpointing, no compile wrapper, fp32 VAE."""
+    from imagerl.perf.bench import Bench
+
+    bench = Bench("qwen_image", torch.device("cpu"), True, tmp_path, warmup=0, iterations=1)
+    bench.run_imagerl("bf16 vae", ["model.vae_dtype=bfloat16", "train.lr=0"], ceiling=1e12)
+    t = bench.transformer
+    assert not any("lora" in name for name, _ in t.named_parameters())
+    assert not t.is_gradient_checkpointing and bench.vae.dtype == torch.float32
+    assert all(block._compiled_call_impl is None for block in t.transformer_blocks)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--dry-run", "--variant", ":model.vae_dtype=bfloat16"], "must look like 'name:section.key=value"),
+    (["bench", "--dry-run", "--family", "sd3"], "unknown family 'sd3'"),
+])
+def test_bench_cli_rejects_bad_arguments(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_without_a_gpu_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU .*--dry-run"):
+        run_bench("qwen_image", {}, baseline=False)
