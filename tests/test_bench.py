@@ -67,3 +67,11 @@ def test_bench_without_a_gpu_says_so():
         pytest.skip("has a GPU")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU .*--dry-run"):
         run_bench("qwen_image", {}, baseline=False)
+
+
+def test_dry_bench_qwen_image21_counts_flops_with_and_without_kv_cache(tmp_path):
+    rows = run_bench("qwen_image21", {"imagerl": [], "kv cache": ["sample.kv_cache=true"]}, warmup=0, iterations=1,
+                     dry=True, out=tmp_path, echo=lambda *_: None)
+    assert [r.name for r in rows] == ["imagerl", "kv cache"]  # no baseline: it is Qwen-Image 1.0's loop
+    for r in rows:
+        assert r.rollout_mfu > 0 and r.train_mfu > 0 and r.log_prob_mean_abs_diff == 0.0

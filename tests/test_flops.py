@@ -85,3 +85,66 @@ def test_measured_matmul_rate_is_a_rate():
 
     rate = measure_matmul_flops_per_s("cpu", torch.float32, size=128, iterations=3)
     assert 1e6 < rate < 1e14  # a CPU core does between a MFLOP/s and 100 TFLOP/s
+
+
+TINY21 = dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, in_channels=16, out_channels=16,
+              context_in_dim=32, axes_dims_rope=(4, 6, 6))
+
+
+def _measured21(model, image_hw: tuple[int, int], text_tokens: int, batch: int = 1) -> int:
+    h, w = image_hw
+    config = model.config
+    # the pipeline's VLM mask: a 0 per text token, a 1 per slot of 4 image tokens
+    img_mask = torch.cat([torch.zeros(batch, text_tokens, dtype=torch.bool),
+                          torch.ones(batch, h * w // 4, dtype=torch.bool)], 1)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        model(hidden_states=torch.randn(batch, h * w, config.in_channels), timestep=torch.full((batch,), 0.5),
+              encoder_hidden_states=torch.randn(batch, text_tokens, config.context_in_dim),
+              img_shapes=[[(1, h, w)]] * batch, img_mask=img_mask, return_dict=False)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("image_hw,text_tokens", [((4, 4), 7), ((6, 8), 13)])
+def test_qwen_image21_forward_flops_equal_the_flop_counter(image_hw, text_tokens):
+    from diffusers import QwenImage21Transformer2DModel
+
+    from imagerl.perf.flops import QwenImage21Dims, qwen_image21_forward_flops
+
+    model = QwenImage21Transformer2DModel(**TINY21).eval()
+    dims = QwenImage21Dims.from_config(model.config)
+    tokens = image_hw[0] * image_hw[1]
+    assert _measured21(model, image_hw, text_tokens) == qwen_image21_forward_flops(dims, tokens, text_tokens)
+    assert _measured21(model, image_hw, text_tokens, batch=2) == qwen_image21_forward_flops(dims, tokens, text_tokens,
+                                                                                           batch=2)
+
+
+def test_qwen_image21_lora_flops_equal_the_flop_counter():
+    from diffusers import QwenImage21Transformer2DModel
+    from peft import LoraConfig
+
+    from imagerl.families.qwen_image21 import QwenImage21Family
+    from imagerl.perf.flops import QwenImage21Dims, qwen_image21_forward_flops
+
+    model = QwenImage21Transformer2DModel(**TINY21).eval()
+    targets = QwenImage21Family.lora_target_modules
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    dims = QwenImage21Dims.from_config(model.config)
+    assert _measured21(model, (4, 4), 9) == qwen_image21_forward_flops(dims, 16, 9, lora_rank=4, lora_targets=targets)
+
+
+def test_full_size_qwen_image21_matches_the_reference_numbers():
+    # reference/diffusers_qwenimage.md section 6: 512 px (1024 image tokens), L = 100 / 200 / 300 text tokens:
+    # 16.31 / 17.78 / 19.26 TFLOP per full (prefill, training) forward, 14.90 / 14.97 / 15.03 per KV-cached step
+    from diffusers import QwenImage21Transformer2DModel
+
+    from imagerl.perf.flops import QwenImage21Dims, qwen_image21_forward_flops
+
+    released = dict(num_layers=32, num_attention_heads=32, attention_head_dim=128, in_channels=64, out_channels=64,
+                    context_in_dim=4096, mlp_ratio=3)  # QwenImage21Transformer2DModel's defaults
+    assert all(QwenImage21Transformer2DModel(num_layers=1, num_attention_heads=1).config[k] == v
+               for k, v in released.items() if k not in ("num_layers", "num_attention_heads"))
+    dims = QwenImage21Dims.from_config(released)
+    for text, full, cached in [(100, 16.31, 14.90), (200, 17.78, 14.97), (300, 19.26, 15.03)]:
+        assert qwen_image21_forward_flops(dims, 1024, text) / 1e12 == pytest.approx(full, abs=0.01)
+        assert qwen_image21_forward_flops(dims, 1024, text, cached=True) / 1e12 == pytest.approx(cached, abs=0.01)

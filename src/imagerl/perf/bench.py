@@ -12,6 +12,7 @@ Counting (perf/flops.py, reference/diffusers_qwenimage.md section 6): rollout FL
 samples x SDE steps x (forward + activation-gradient backward [+ recompute with gradient checkpointing]),
 i.e. recompute is counted as work done (hardware FLOPs). Text encoder, VAE and reward are not counted
 (they are in the end-to-end time). Padding of cond/uncond rows to one length is not counted as work.
+qwen_image21: block-causal attention, KV-cached rollout steps counted as such (sample.kv_cache).
 """
 
 from __future__ import annotations
@@ -87,12 +88,19 @@ class _Device:
         return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else float("nan")
 
 
-def _forward_flops(transformer, image_tokens: int, text_tokens: list[int], lora_rank: int, targets) -> int:
-    """Analytic FLOPs of one guided velocity for one sample: one forward per row (cond, and uncond with CFG)."""
-    from imagerl.perf.flops import QwenImageDims, qwen_image_forward_flops
+def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: list[int], lora_rank: int, targets,
+                   cached: bool = False) -> int:
+    """Analytic FLOPs of one guided velocity for one sample: one forward per row (cond, and uncond with CFG);
+    cached: a KV-cached qwen_image21 rollout step."""
+    from imagerl.perf import flops
 
-    dims = QwenImageDims.from_config(transformer.config)
-    return sum(qwen_image_forward_flops(dims, image_tokens, length, lora_rank, tuple(targets)) for length in text_tokens)
+    if family == "qwen_image":
+        dims = flops.QwenImageDims.from_config(transformer.config)
+        return sum(flops.qwen_image_forward_flops(dims, image_tokens, length, lora_rank, tuple(targets))
+                   for length in text_tokens)
+    dims = flops.QwenImage21Dims.from_config(transformer.config)
+    return sum(flops.qwen_image21_forward_flops(dims, image_tokens, length, lora_rank, tuple(targets), cached=cached)
+               for length in text_tokens)
 
 
 def _row(name, overrides, times: list[dict], flops_rollout: int, flops_train: int, ceiling: float, images: int,
@@ -149,14 +157,15 @@ class Bench:
     def _iteration_flops(self, cfg, adapter, text_tokens: list[int]) -> tuple[int, int]:
         from imagerl.perf.flops import training_flops
 
-        if self.family != "qwen_image":
-            return 0, 0  # analytic counts exist for Qwen-Image 1.0 only (perf/flops.py)
         s = cfg.sample
-        forward = _forward_flops(self.transformer, adapter.image_seq_len(s.height, s.width), text_tokens,
-                                 cfg.model.lora_rank, adapter.lora_target_modules)
+        args = (self.family, self.transformer, adapter.image_seq_len(s.height, s.width), text_tokens,
+                cfg.model.lora_rank, adapter.lora_target_modules)
+        forward = _forward_flops(*args)
+        # kv_cache (qwen_image21): the first rollout step fills the text prefix's cache, later steps reuse it
+        rollout_per_sample = forward + (s.num_steps - 1) * (_forward_flops(*args, cached=True) if s.kv_cache else forward)
         samples = s.prompts_per_rollout * s.group_size
         train = training_flops(forward, full_fine_tune=False, recompute=cfg.model.gradient_checkpointing)
-        return samples * s.num_steps * forward, samples * s.num_sde_steps * train
+        return samples * rollout_per_sample, samples * s.num_sde_steps * train
 
     def run_imagerl(self, name: str, overrides: list[str], ceiling: float) -> Row:
         """imagerl's own loop body (train.py): generate (scored as it goes) -> advantages -> flow_grpo_update."""
@@ -268,8 +277,7 @@ class Bench:
         text = adapter.encode_prompts([self.prompts[0]] * n)
         negative = adapter.encode_prompts([s.negative_prompt])[0]
         cond = adapter.conditioning(text, [negative] * n, s.guidance_scale)
-        h, w = adapter.latent_grid(s.height, s.width)
-        x = torch.randn(n, (h // 2) * (w // 2), self.transformer.config.in_channels, device=self.device)
+        x = adapter.initial_noise([torch.Generator().manual_seed(i) for i in range(n)], s.height, s.width)
         t = torch.full((n,), 500.0, device=self.device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.cuda else [])
         report = []
@@ -306,9 +314,7 @@ class Bench:
         cfg = self.config([])
         adapter = self._adapter()
         s = cfg.sample
-        h, w = adapter.latent_grid(s.height, s.width)
-        latents = torch.randn(num_images, (h // 2) * (w // 2), self.transformer.config.in_channels,
-                              generator=torch.Generator().manual_seed(0)).to(self.device)
+        latents = adapter.initial_noise([torch.Generator().manual_seed(i) for i in range(num_images)], s.height, s.width)
         images = {}
         for dtype in (torch.float32, torch.bfloat16):
             self.vae.to(dtype)

@@ -73,6 +73,49 @@ def qwen_image_forward_flops(dims: QwenImageDims, image_tokens: int, text_tokens
     return dims.num_layers * block + outside
 
 
+@dataclass(frozen=True)
+class QwenImage21Dims:
+    """Qwen-Image 2.1: one stream (every token through every block weight), gated MLP of width mlp_ratio x D."""
+
+    num_layers: int
+    dim: int
+    in_channels: int
+    out_channels: int
+    context_dim: int  # the text encoder's width (txt_in's input)
+    mlp_ratio: int
+
+    @classmethod
+    def from_config(cls, config) -> "QwenImage21Dims":
+        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
+        return cls(get("num_layers"), get("num_attention_heads") * get("attention_head_dim"), get("in_channels"),
+                   get("out_channels"), get("context_in_dim"), get("mlp_ratio"))
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        d, m = self.dim, self.mlp_ratio * self.dim
+        return {"to_q": (d, d), "to_k": (d, d), "to_v": (d, d), "to_out.0": (d, d), "img_mlp.proj": (d, m),
+                "img_mlp.gate_layer": (d, m), "img_mlp.out": (m, d)}
+
+
+def qwen_image21_forward_flops(dims: QwenImage21Dims, image_tokens: int, text_tokens: int, lora_rank: int = 0,
+                               lora_targets: tuple[str, ...] = (), cached: bool = False, batch: int = 1) -> int:
+    """FLOPs of one Qwen-Image 2.1 forward of `batch` samples. Block-causal attention: text tokens attend to
+    text (4 D L^2), image tokens to text and image (4 D T (T + L)). cached: a KV-cached rollout step (the text
+    prefix's keys and values reused, so only the T image rows pass the blocks; txt_in still runs)."""
+    d, t, l = dims.dim, image_tokens, text_tokens
+    rows = t if cached else t + l
+    block = 4 * d * t * (t + l) + (0 if cached else 4 * d * l * l)
+    for name, (fan_in, fan_out) in dims.linear_shapes().items():
+        block += 2 * fan_in * fan_out * rows
+        if lora_rank and any(name == x or name.endswith("." + x) or x.endswith(name) for x in lora_targets):
+            block += 2 * lora_rank * (fan_in + fan_out) * rows
+    # per sample: img_in, txt_in (two Linears), proj_out (on every row passed). Timestep MLP, modulation and
+    # norm_out run on batch + 1 conditioning rows (each sample's timestep and one shared text row; counted by
+    # FlopCounterMode on diffusers' module, tests/test_flops.py)
+    per_token = 2 * dims.in_channels * d * t + 2 * (dims.context_dim * d + d * d) * l + 2 * d * dims.out_channels * rows
+    per_condition_row = 2 * (256 * d + d * d) + 2 * d * 4 * d + 2 * d * d
+    return batch * (dims.num_layers * block + per_token) + (batch + 1) * per_condition_row
+
+
 def training_flops(forward_flops: int, full_fine_tune: bool, recompute: bool) -> int:
     """FLOPs of forward + backward of one sample. Backward: activation gradients (1x forward) plus weight
     gradients (1x forward when every weight trains; LoRA's are in the LoRA term of the forward count, ~0
