@@ -64,7 +64,7 @@ def test_same_initial_noise_shares_the_start_within_groups_only(tiny_checkpoint,
 
 def test_quickstart_recipe_is_valid_on_one_process():
     plan = validate(load_config("quickstart"), world_size=1)
-    assert plan.samples_per_rollout == 128 and plan.batches_per_optimizer_step == 8
+    assert plan.samples_per_rollout == 128 and plan.batches_per_optimizer_step == 1  # one forward of 128
 
 
 def test_test_samples_per_prompt_repeats_each_held_out_prompt_with_its_own_noise():
