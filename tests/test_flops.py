@@ -38,17 +38,6 @@ def test_forward_flops_equal_the_flop_counter(image_hw, text_tokens):
     assert _measured(model, image_hw, text_tokens, batch=3) == 3 * expected
 
 
-def test_lora_flops_equal_the_flop_counter():
-    from diffusers import QwenImageTransformer2DModel
-    from peft import LoraConfig
-
-    model = QwenImageTransformer2DModel(**TINY).eval()
-    targets = QwenImageFamily.lora_target_modules
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
-    dims = QwenImageDims.from_config(model.config)
-    assert _measured(model, (4, 4), 9) == qwen_image_forward_flops(dims, 16, 9, lora_rank=4, lora_targets=targets)
-
-
 def test_full_size_qwen_image_matches_the_reference_numbers():
     # reference/diffusers_qwenimage.md section 6, measured on the 20B model: 512 px (1024 image tokens)
     # with L = 100 / 200 / 300 text tokens -> 16.22 / 17.76 / 19.31 TFLOP per forward
@@ -119,18 +108,24 @@ def test_qwen_image21_forward_flops_equal_the_flop_counter(image_hw, text_tokens
                                                                                            batch=2)
 
 
-def test_qwen_image21_lora_flops_equal_the_flop_counter():
-    from diffusers import QwenImage21Transformer2DModel
+@pytest.mark.parametrize("family", ["qwen_image", "qwen_image21"])
+def test_lora_flops_equal_the_flop_counter(family):
+    from diffusers import QwenImage21Transformer2DModel, QwenImageTransformer2DModel
     from peft import LoraConfig
 
     from imagerl.families.qwen_image21 import QwenImage21Family
     from imagerl.perf.flops import QwenImage21Dims, qwen_image21_forward_flops
 
-    model = QwenImage21Transformer2DModel(**TINY21).eval()
-    targets = QwenImage21Family.lora_target_modules
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
-    dims = QwenImage21Dims.from_config(model.config)
-    assert _measured21(model, (4, 4), 9) == qwen_image21_forward_flops(dims, 16, 9, lora_rank=4, lora_targets=targets)
+    model_class, config, adapter, dims_class, count, measure = {
+        "qwen_image": (QwenImageTransformer2DModel, TINY, QwenImageFamily, QwenImageDims, qwen_image_forward_flops,
+                       _measured),
+        "qwen_image21": (QwenImage21Transformer2DModel, TINY21, QwenImage21Family, QwenImage21Dims,
+                         qwen_image21_forward_flops, _measured21),
+    }[family]
+    model = model_class(**config).eval()
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(adapter.lora_target_modules)))
+    dims = dims_class.from_config(model.config)
+    assert measure(model, (4, 4), 9) == count(dims, 16, 9, lora_rank=4, lora_targets=adapter.lora_target_modules)
 
 
 def test_full_size_qwen_image21_matches_the_reference_numbers():
