@@ -224,6 +224,7 @@ def test_empty_recipe_file_gives_the_defaults(tmp_path):
     (["sample.batch_size=0"], 1, r"sample\.batch_size must be >= 1"),
     (["model.lora_rank=0"], 1, r"model\.lora_rank must be >= 1"),
     (["run.checkpoint_every=0"], 1, r"run\.checkpoint_every must be >= 1"),
+    (["model.checkpoint_every=0"], 1, r"model\.checkpoint_every must be >= 1"),
     ([], 0, r"world_size must be >= 1"),
 ])
 def test_validate_rejects_with_an_informative_message(overrides, world, match):

@@ -28,12 +28,13 @@ def test_bf16_rollout_replays_exactly_on_gpu(tiny_checkpoint, tmp_path):
             assert torch.equal(out.log_prob.detach(), rollout.log_probs_BS[batch, j])
 
 
-@pytest.mark.parametrize("group_text_lengths, compile", [(False, False), (True, False), (False, True)])
-def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, group_text_lengths, compile):
+@pytest.mark.parametrize("overrides", [[], ["model.group_text_lengths=true"], ["parallel.compile=true"],
+                                       ["train.timestep_staging=true"], ["model.checkpoint_every=2"]])
+def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, overrides):
     from imagerl.train import train
 
     train(tiny_config(tiny_checkpoint, tmp_path, "model.device=cuda", "train.num_rollouts=3", "train.beta=0.01",
-                      f"model.group_text_lengths={group_text_lengths}", f"parallel.compile={compile}"))
+                      *overrides))
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in records)
     assert all(r["memory/peak_allocated_gib"] > 0 for r in records)
@@ -52,3 +53,16 @@ def test_rope_tables_rebuilt_on_gpu_equal_a_gpu_build(tiny_checkpoint):
     assert rope.pos_freqs.is_cuda
     assert torch.equal(rope.pos_freqs, gpu_built.pos_freqs) and torch.equal(rope.neg_freqs, gpu_built.neg_freqs)
     print("rope: GPU build differs from the CPU build:", not torch.equal(rope.pos_freqs.cpu(), cpu_built.pos_freqs))
+
+
+def test_timestep_staging_keeps_the_trajectory_on_the_cpu(tiny_checkpoint, tmp_path):
+    from test_training import _rollout
+    from imagerl.algorithms.flow_grpo import _step_log_prob
+
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "model.device=cuda", "train.timestep_staging=true")
+    adapter, rollout = _rollout(cfg)
+    assert rollout.latents_BSNC.device.type == "cpu" and rollout.log_probs_BS.device.type == "cpu"
+    for batch in rollout.batches():
+        cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
+        out = _step_log_prob(adapter, rollout, batch, 0, cond, cfg)
+        assert out.log_prob.is_cuda and torch.equal(out.log_prob.cpu(), rollout.log_probs_BS[batch, 0])

@@ -180,3 +180,51 @@ def test_rollout_as_training_graph_changes_nothing_in_eager(tiny_checkpoint, tmp
     assert not as_training.log_probs_BS.requires_grad and not as_training.latents_BSNC.requires_grad
     assert all(p.grad is None for p in adapter.trainable_parameters())
     assert not adapter.transformer.training
+
+
+@pytest.mark.parametrize("every, expected_checkpointed", [(1, "all"), (2, "half")])
+def test_selective_activation_checkpointing(tiny_checkpoint, tmp_path, monkeypatch, every, expected_checkpointed):
+    """model.checkpoint_every=k recomputes every k-th block only; the LoRA gradients equal those without any
+    checkpointing (the recompute repeats the same forward)."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    def lora_grads(overrides):
+        cfg = tiny_config(tiny_checkpoint, tmp_path, *overrides)
+        adapter = load_adapter(cfg, World(0, 1, torch.device("cpu")))
+        resolve_family_defaults(cfg, adapter)
+        emb = adapter.encode_prompts(["a red circle", "two blue squares"])
+        cond = adapter.conditioning(emb, adapter.encode_prompts([" "]) * 2, 4.0)
+        torch.manual_seed(0)
+        x = torch.randn(2, adapter.image_seq_len(64, 64), adapter.transformer.config.in_channels)
+        for p in adapter.trainable_parameters():  # B = 0 at init: give the LoRA a non-zero path
+            p.data.normal_(0, 0.02)
+        adapter.velocity(x, torch.tensor([800.0, 300.0]), cond, 64, 64).square().mean().backward()
+        # (the last block's text-stream LoRA gets no gradient: its text output is unused)
+        return adapter, [None if p.grad is None else p.grad.clone() for p in adapter.trainable_parameters()]
+
+    calls = []
+    original = torch_checkpoint.checkpoint
+    monkeypatch.setattr(torch_checkpoint, "checkpoint", lambda fn, *a, **k: calls.append(fn) or original(fn, *a, **k))
+    adapter, grads = lora_grads(["model.gradient_checkpointing=true", f"model.checkpoint_every={every}"])
+    blocks = len(adapter.transformer_blocks())
+    assert blocks >= 2 and len(calls) == (blocks if expected_checkpointed == "all" else (blocks + 1) // 2)
+    calls.clear()
+    _, reference = lora_grads(["model.gradient_checkpointing=false"])
+    assert not calls
+    assert sum(g is not None for g in grads) > len(grads) // 2
+    for g, r in zip(grads, reference):
+        assert (g is None) == (r is None) and (g is None or torch.equal(g, r))
+
+
+def test_timestep_staging_changes_no_number(tiny_checkpoint, tmp_path):
+    """train.timestep_staging keeps the trajectory on the CPU (on a GPU the update copies each step's inputs
+    over; tests/test_gpu.py): the run's metrics and LoRA equal the unstaged run's. On the CPU it is a no-op
+    path through the same copies."""
+    runs = {}
+    for staging in (False, True):
+        run = tmp_path / f"staging_{staging}"
+        cfg = tiny_config(tiny_checkpoint, run, f"train.timestep_staging={staging}", "train.num_rollouts=2")
+        train(cfg)
+        runs[staging] = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "memory/"))}
+                         for r in _records(run)]
+    assert runs[True] == runs[False] and runs[True][0]["train/log_prob_mean_abs_diff"] == 0.0

@@ -70,7 +70,7 @@ def prepare_adapter(adapter, cfg: Config):
                      True if cfg.model.lora_init == "default" else cfg.model.lora_init,
                      cfg.model.lora_target_modules or None)
     if cfg.model.gradient_checkpointing:
-        adapter.transformer.enable_gradient_checkpointing()
+        adapter.enable_activation_checkpointing(cfg.model.checkpoint_every)
     adapter.transformer.eval()
     return adapter
 

@@ -41,6 +41,9 @@ class ModelConfig:
     lora_target_modules: list[str] = field(default_factory=list)
     """Empty: the family's default (the 12 modules of the flow_grpo/miles Qwen-Image recipes)."""
     gradient_checkpointing: bool = True
+    checkpoint_every: int = 1
+    """With gradient_checkpointing: checkpoint every k-th transformer block (1: all, flow_grpo; 2: every other
+    block keeps its activations, half the recompute for more memory)."""
     prompt_cache_size: int = 4096
     """Prompt embeddings kept (LRU) across rollouts; one text-encoder pass per unique prompt."""
     vae_dtype: str = "float32"
@@ -114,6 +117,10 @@ class TrainConfig:
     """KL weight against the LoRA-disabled reference policy (0: no reference forward)."""
     num_optimizer_steps: int = 2
     """Optimizer steps per rollout; the rollout's samples are split evenly (flow_grpo: 2)."""
+    timestep_staging: bool = False
+    """Keep the rollout's trajectory (window latents, old log-probs) on the CPU and copy each micro-batch's step
+    inputs to the GPU just before their forward (verl-omni's enable_timestep_staging): device memory for
+    host-to-device copies. Exact either way (fp32 copies)."""
     global_std: bool = True
     """Advantage std over the whole rollout (True, flow_grpo Qwen-Image) or per group."""
 
@@ -347,6 +354,7 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         "sample.batch_size": s.batch_size, "train.num_rollouts": t.num_rollouts,
         "train.num_optimizer_steps": t.num_optimizer_steps, "model.lora_rank": cfg.model.lora_rank,
         "sample.max_sequence_length": s.max_sequence_length, "run.checkpoint_every": cfg.run.checkpoint_every,
+        "model.checkpoint_every": cfg.model.checkpoint_every,
     }
     for key, value in positive.items():
         if value < 1:

@@ -131,9 +131,11 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
             else:
                 out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1])
             x = out.prev_sample
-        traj_in.append(torch.stack(ins, 1))
-        traj_out.append(torch.stack(outs, 1))
-        log_probs.append(torch.stack(lps, 1))
+        # train.timestep_staging: the trajectory waits on the CPU; the update copies each step's inputs back
+        staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
+        traj_in.append(staged(torch.stack(ins, 1)))
+        traj_out.append(staged(torch.stack(outs, 1)))
+        log_probs.append(staged(torch.stack(lps, 1)))
         images.append(adapter.decode(x, h, w).cpu())
         if on_batch is not None:
             on_batch(images[-1], prompts_B[batch], metadata_B[batch])

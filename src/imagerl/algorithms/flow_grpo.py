@@ -61,10 +61,13 @@ class TrainStats:
 
 def _step_log_prob(adapter, rollout: Rollout, batch: slice, j: int, cond, cfg: Config):
     s = cfg.sample
-    x = rollout.latents_BSNC[batch, j]
+    # .to(): a no-op unless train.timestep_staging left the trajectory on the CPU (then this step's inputs are
+    # copied now, just before their forward; fp32 both ways, so the replay stays exact)
+    x = rollout.latents_BSNC[batch, j].to(adapter.device)
     v = adapter.velocity(x, rollout.timesteps_S[j].expand(x.shape[0]), cond, s.height, s.width)
     return flow_sde_step(x, v, rollout.sigmas_S[j], rollout.sigmas_next_S[j], noise_level=s.noise_level,
-                         sigma_max=rollout.sigma_max, sde_type=s.sde_type, prev_sample=rollout.next_latents_BSNC[batch, j])
+                         sigma_max=rollout.sigma_max, sde_type=s.sde_type,
+                         prev_sample=rollout.next_latents_BSNC[batch, j].to(adapter.device))
 
 
 def global_clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -94,7 +97,7 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
             cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
             for j in range(num_steps_window):
                 out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
-                old = rollout.log_probs_BS[batch, j]
+                old = rollout.log_probs_BS[batch, j].to(adapter.device)
                 policy_B, ratio = ppo_clip_loss(out.log_prob, old, advantages_B[batch], t.clip_range, t.adv_clip_max)
                 kl_B = torch.zeros_like(policy_B)
                 if t.beta > 0:

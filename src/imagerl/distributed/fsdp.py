@@ -36,7 +36,13 @@ def apply_parallelism(adapter, cfg: Config, world: World) -> str:
     p = cfg.parallel
     if p.compile:
         # dynamic=True: text lengths (and with model.group_text_lengths the rows per forward) vary from batch to
-        # batch; one symbolic-shape graph per block instead of a recompile per length (verl-omni's choice, A6)
+        # batch; one symbolic-shape graph per block instead of a recompile per length (verl-omni's choice, A6).
+        # Duck sizing off: otherwise a text length that happens to equal the row count is traced as "the same
+        # symbol" and the next length recompiles (seen with TORCH_LOGS=recompiles: encoder_hidden_states.size()[1]
+        # == temb.size()[0])
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.use_duck_shape = False
         for block in adapter.transformer_blocks():
             block.compile(dynamic=True)
     world.strategy = strategy

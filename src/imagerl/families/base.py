@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 
 @dataclass
@@ -187,6 +188,22 @@ class FamilyAdapter:
     def transformer_blocks(self) -> list[torch.nn.Module]:
         """The repeated blocks of the transformer: the units of activation checkpointing, compile and sharding."""
         return list(self.transformer.transformer_blocks)
+
+    def enable_activation_checkpointing(self, every: int = 1) -> None:
+        """diffusers' gradient checkpointing (non-reentrant torch.utils.checkpoint, diffusers' default) of every
+        `every`-th transformer block, starting with the first; the other blocks keep their activations for the
+        backward (less recompute, more memory). every=1: all blocks, as flow_grpo."""
+        if every == 1:
+            self.transformer.enable_gradient_checkpointing()
+            return
+        checkpointed = {id(block) for block in self.transformer_blocks()[::every]}
+
+        def checkpoint_selected(block, *args):
+            if id(block) in checkpointed:
+                return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+            return block(*args)
+
+        self.transformer.enable_gradient_checkpointing(checkpoint_selected)
 
     def text_encoder_module(self) -> torch.nn.Module | None:
         """The text-encoder module the adapter calls (its forward runs the decoder layers)."""

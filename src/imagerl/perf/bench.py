@@ -59,6 +59,7 @@ class Row:
     total_s: float
     text_tokens: int
     overrides: list
+    per_iteration: list  # the measured iterations' phase times (a compile stall shows up here)
 
 
 def _prompts() -> list[str]:
@@ -112,7 +113,7 @@ def _row(name, overrides, times: list[dict], flops_rollout: int, flops_train: in
                train_mfu=flops_train / mean["train_s"] / ceiling if flops_train else float("nan"),
                peak_gib=max(t["peak_gib"] for t in times), log_prob_mean_abs_diff=max(t["lp_diff"] for t in times),
                rollout_s=mean["rollout_s"], reward_wait_s=mean["reward_s"], train_s=mean["train_s"],
-               total_s=mean["total_s"], text_tokens=text_tokens, overrides=list(overrides))
+               total_s=mean["total_s"], text_tokens=text_tokens, overrides=list(overrides), per_iteration=times)
 
 
 class Bench:
@@ -210,7 +211,8 @@ class Bench:
                                                               and cfg.sample.guidance_scale > 1 else [])
                     text_tokens.append(lengths)
                     times.append(dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2, total_s=t3 - t0,
-                                      peak_gib=self.dev.peak_gib(), lp_diff=stats.log_prob_mean_abs_diff))
+                                      peak_gib=self.dev.peak_gib(), lp_diff=stats.log_prob_mean_abs_diff,
+                                      text_tokens=lengths[0]))
         finally:
             scoring.close()
         flops = [self._iteration_flops(cfg, adapter, lengths) for lengths in text_tokens]
@@ -252,7 +254,8 @@ class Bench:
             if it >= self.warmup:
                 lengths = r["text_tokens"]
                 times.append(dict(rollout_s=r["rollout_s"], reward_s=r["reward_s"], train_s=r["train_s"],
-                                  total_s=r["total_s"], peak_gib=self.dev.peak_gib(), lp_diff=r["log_prob_mean_abs_diff"]))
+                                  total_s=r["total_s"], peak_gib=self.dev.peak_gib(), lp_diff=r["log_prob_mean_abs_diff"],
+                                  text_tokens=r["text_tokens"]))
         baseline.remove()
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
