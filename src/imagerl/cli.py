@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", action="append", default=[], help="'name:override,override' (repeatable), e.g. "
                    "'compile b8:parallel.compile=true,sample.batch_size=8'; default: the family's standard set")
     p.add_argument("--no-baseline", action="store_true", help="skip the diffusers + peft baseline")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per variant (default 1)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per variant (default 2: compiled "
+                   "variants compile on their first two prompt lengths)")
     p.add_argument("--iterations", type=int, default=2, help="measured iterations per variant (default 2)")
     p.add_argument("--out", default=None, help="write bench_<family>.json and .md here")
     p.add_argument("--profile", action="append", default=[], help="'override,override' (repeatable; '' for the "

@@ -35,10 +35,8 @@ GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.heig
 DRY_GEOMETRY = ["sample.group_size=4", "sample.height=64", "sample.width=64", "sample.num_steps=6",
                 "sample.batch_size=2", "model.lora_rank=4", "model.lora_alpha=8"]
 DEFAULT_VARIANTS = {
-    "qwen_image": {"imagerl": [], "imagerl grouped": ["model.group_text_lengths=true"],
-                   "imagerl grouped b8": ["model.group_text_lengths=true", "sample.batch_size=8"],
-                   "imagerl grouped vae-bf16": ["model.group_text_lengths=true", "model.vae_dtype=bfloat16"],
-                   "imagerl compile grouped": ["parallel.compile=true", "model.group_text_lengths=true"]},
+    "qwen_image": {"imagerl": [], "imagerl compile b8": ["parallel.compile=true", "sample.batch_size=8"],
+                   "imagerl compile b8 ckpt/2": ["parallel.compile=true", "sample.batch_size=8", "model.checkpoint_every=2"]},
     "qwen_image21": {"imagerl": [], "imagerl b8": ["sample.batch_size=8"], "imagerl compile": ["parallel.compile=true"]},
 }
 
@@ -357,7 +355,7 @@ def format_table(rows: list[Row], baseline: Row | None) -> str:
 
 
 def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None = None, *, baseline: bool = True,
-              warmup: int = 1, iterations: int = 2, dry: bool = False, out: Path | None = None,
+              warmup: int = 2, iterations: int = 2, dry: bool = False, out: Path | None = None,
               profiles: list[list[str]] = (), echo=print) -> list[Row]:
     """Profile one step of each config in `profiles` (lists of overrides), then run the baseline (qwen_image) and
     each variant (name -> overrides); print and return the rows."""
