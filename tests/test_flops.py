@@ -50,6 +50,7 @@ def test_training_flops_rule():
     assert training_flops(10, full_fine_tune=False, recompute=True) == 30  # LoRA + checkpointing: 3x forward
     assert training_flops(10, full_fine_tune=True, recompute=False) == 30
     assert training_flops(10, full_fine_tune=False, recompute=False) == 20
+    assert training_flops(10, full_fine_tune=False, recompute=0.5) == 25  # every other block recomputed
 
 
 def test_iteration_flops_count_rollout_and_training():

@@ -143,7 +143,8 @@ class Bench:
         validate(cfg)
         return cfg
 
-    def _adapter(self):
+    def new_adapter(self):
+        """A family adapter around the shared modules (no LoRA yet)."""
         from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
 
         if self.family == "qwen_image":
@@ -163,7 +164,9 @@ class Bench:
         # kv_cache (qwen_image21): the first rollout step fills the text prefix's cache, later steps reuse it
         rollout_per_sample = forward + (s.num_steps - 1) * (_forward_flops(*args, cached=True) if s.kv_cache else forward)
         samples = s.prompts_per_rollout * s.group_size
-        train = training_flops(forward, full_fine_tune=False, recompute=cfg.model.gradient_checkpointing)
+        blocks = len(self.transformer.transformer_blocks)
+        recomputed = -(-blocks // cfg.model.checkpoint_every) / blocks if cfg.model.gradient_checkpointing else 0.0
+        train = training_flops(forward, full_fine_tune=False, recompute=recomputed)
         return samples * rollout_per_sample, samples * s.num_sde_steps * train
 
     def run_imagerl(self, name: str, overrides: list[str], ceiling: float) -> Row:
@@ -179,7 +182,7 @@ class Bench:
         from imagerl.scoring import AsyncScorer
 
         cfg = self.config(overrides)
-        adapter = prepare_adapter(self._adapter(), cfg)  # as components.load_adapter, on the shared modules
+        adapter = prepare_adapter(self.new_adapter(), cfg)  # as components.load_adapter, on the shared modules
         resolve_family_defaults(cfg, adapter)
         world = World(0, 1, self.device)
         apply_parallelism(adapter, cfg, world)
@@ -217,7 +220,7 @@ class Bench:
         samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
         row = _row(name, overrides, times, sum(f[0] for f in flops) // len(flops), sum(f[1] for f in flops) // len(flops),
                    ceiling, samples, samples * cfg.sample.num_sde_steps, text_tokens[0][0])
-        self._undo(adapter)
+        self.restore(adapter)
         return row
 
     def run_baseline(self, ceiling: float, gradient_checkpointing: bool = True) -> Row:
@@ -257,63 +260,19 @@ class Bench:
         baseline.remove()
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
-        adapter = self._adapter()
+        adapter = self.new_adapter()
         tokens = [lengths, adapter.encode_prompts([" "])[0].shape[0]] if not isinstance(lengths, list) else lengths
         f_roll, f_train = self._iteration_flops(self.config([f"model.gradient_checkpointing={gradient_checkpointing}"]),
                                                 adapter, tokens)
         return _row("baseline (diffusers+peft)", [], times, f_roll, f_train, ceiling, s.group_size,
                     s.group_size * s.num_sde_steps, tokens[0])
 
-    def profile(self, overrides: list[str], rows: int = 12) -> str:
-        """torch.profiler over one rollout forward (no grad) and one training forward + backward of one batch of
-        this config: GPU kernel time by operator, against the wall time (where the time goes)."""
-        from torch.profiler import ProfilerActivity, profile
-
-        from imagerl.components import prepare_adapter, resolve_family_defaults
-
-        cfg = self.config(overrides)
-        adapter = prepare_adapter(self._adapter(), cfg)
-        resolve_family_defaults(cfg, adapter)
-        s, n = cfg.sample, cfg.sample.batch_size
-        text = adapter.encode_prompts([self.prompts[0]] * n)
-        negative = adapter.encode_prompts([s.negative_prompt])[0]
-        cond = adapter.conditioning(text, [negative] * n, s.guidance_scale)
-        x = adapter.initial_noise([torch.Generator().manual_seed(i) for i in range(n)], s.height, s.width)
-        t = torch.full((n,), 500.0, device=self.device)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.cuda else [])
-        report = []
-        for phase, grad in (("rollout forward", False), ("training forward+backward", True)):
-            def step():
-                with torch.set_grad_enabled(grad):
-                    v = adapter.velocity(x, t, cond, s.height, s.width)
-                    if grad:
-                        v.square().mean().backward()
-            step()  # warm-up (allocator, kernels)
-            self.dev.sync()
-            start = time.perf_counter()
-            with profile(activities=activities) as prof:
-                step()
-                self.dev.sync()
-            wall = time.perf_counter() - start
-            key = "self_device_time_total" if self.dev.cuda else "self_cpu_time_total"
-            # operators only (their self device time is the time of the kernels they launched), not the kernel
-            # rows as well, which would count the same time twice
-            events = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")),
-                            key=lambda e: getattr(e, key), reverse=True)
-            busy = sum(getattr(e, key) for e in events) / 1e6
-            report.append(f"{phase} ({' '.join(overrides) or 'defaults'}; batch {n}): wall {wall:.3f} s, kernels "
-                          f"{busy:.3f} s")
-            report += [f"  {getattr(e, key) / 1e6 / max(busy, 1e-9):6.1%} {getattr(e, key) / 1e3:9.1f} ms  x{e.count:<6} "
-                       f"{e.key[:90]}" for e in events[:rows]]
-        self._undo(adapter)
-        return "\n".join(report)
-
     def vae_bf16_effect(self, num_images: int = 16) -> dict:
         """Decode the same latents (N(0, 1), seeded) with the VAE in fp32 and in bf16 and score both images with
         the reward: what model.vae_dtype=bfloat16 changes (random weights: images and rewards are arbitrary,
         the differences are the decode precision's)."""
         cfg = self.config([])
-        adapter = self._adapter()
+        adapter = self.new_adapter()
         s = cfg.sample
         latents = adapter.initial_noise([torch.Generator().manual_seed(i) for i in range(num_images)], s.height, s.width)
         images = {}
@@ -329,7 +288,7 @@ class Bench:
                 "reward_abs_diff_max": delta.max().item(), "reward_abs_diff_mean": delta.mean().item(),
                 "reward_std_fp32": rewards[torch.float32].std().item()}
 
-    def _undo(self, adapter) -> None:
+    def restore(self, adapter) -> None:
         """Return the shared transformer to its plain state for the next variant."""
         for block in adapter.transformer_blocks():
             block._compiled_call_impl = None  # nn.Module.compile's wrapper
@@ -360,6 +319,7 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
     """Profile one step of each config in `profiles` (lists of overrides), then run the baseline (qwen_image) and
     each variant (name -> overrides); print and return the rows."""
     from imagerl.perf.flops import measure_matmul_flops_per_s
+    from imagerl.perf.profile import profile_step
 
     device = torch.device("cuda" if torch.cuda.is_available() and not dry else "cpu")
     if device.type != "cuda" and not dry:
@@ -384,7 +344,7 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
         bench = Bench(family, device, dry, Path(tmp), warmup, iterations)
         echo(f"built {family} (random weights) in {bench.build_s:.1f} s")
         for overrides in profiles:
-            text = bench.profile(overrides)
+            text = profile_step(bench, overrides)
             echo(text)
             profile_text.append(text)
             if out is not None:

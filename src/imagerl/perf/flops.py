@@ -116,13 +116,15 @@ def qwen_image21_forward_flops(dims: QwenImage21Dims, image_tokens: int, text_to
     return batch * (dims.num_layers * block + per_token) + (batch + 1) * per_condition_row
 
 
-def training_flops(forward_flops: int, full_fine_tune: bool, recompute: bool) -> int:
+def training_flops(forward_flops: int, full_fine_tune: bool, recompute: bool | float) -> int:
     """FLOPs of forward + backward of one sample. Backward: activation gradients (1x forward) plus weight
     gradients (1x forward when every weight trains; LoRA's are in the LoRA term of the forward count, ~0
-    of the base); recomputation (gradient checkpointing) repeats the forward. MFU reported with this count
-    counts recompute as work done (hardware FLOPs), stated where it is used."""
+    of the base); recomputation (gradient checkpointing) repeats the forward: True for every block, or the
+    fraction of blocks recomputed (model.checkpoint_every; the layers outside the blocks, < 1 % of a
+    forward, are counted in the fraction too). MFU reported with this count counts recompute as work done
+    (hardware FLOPs), stated where it is used."""
     backward = 2 * forward_flops if full_fine_tune else forward_flops
-    return forward_flops + backward + (forward_flops if recompute else 0)
+    return forward_flops + backward + round(forward_flops * float(recompute))
 
 
 def flow_grpo_iteration_flops(dims: QwenImageDims, image_tokens: int, text_tokens: int, *, samples: int,
