@@ -61,30 +61,23 @@ class Row:
 
 
 def _prompts() -> list[str]:
+    from imagerl.data import bundled_prompt_file, load_prompts
+
     shared = Path(__file__).resolve().parents[3] / ".." / "shared" / "datasets" / "ocr" / "prompts.txt"
-    if shared.is_file():
-        lines = [l for l in shared.read_text().splitlines() if l.strip()]
-        if lines:
-            return lines[:64]
-    from imagerl.data import bundled_prompt_file
-
-    return [l for l in bundled_prompt_file().read_text().splitlines() if l.strip()][:64]
+    return load_prompts(shared if shared.is_file() else bundled_prompt_file())[:64]
 
 
-class _Device:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+def _peak_gib(device: torch.device) -> float:
+    """Peak GPU memory since the last call (metrics.memory_metrics reads and resets it); nan on a CPU."""
+    from imagerl.metrics import memory_metrics
 
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
+    return memory_metrics(device).get("memory/peak_allocated_gib", float("nan"))
 
-    def reset_peak(self):
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
 
-    def peak_gib(self) -> float:
-        return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else float("nan")
+def _iteration_record(phases: dict[str, float], peak_gib: float, lp_diff: float, text_tokens: int) -> dict:
+    """One measured iteration: phase seconds (PhaseTimer's time/<phase>_s keys), peak memory, replay difference."""
+    return dict(rollout_s=phases["time/rollout_s"], reward_s=phases["time/reward_s"], train_s=phases["time/train_s"],
+                total_s=phases["time/total_s"], peak_gib=peak_gib, lp_diff=lp_diff, text_tokens=text_tokens)
 
 
 def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: list[int], lora_rank: int, targets,
@@ -124,7 +117,6 @@ class Bench:
             raise ValueError(f"imagerl bench: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
         self.family, self.device, self.dry = family, device, dry
         self.warmup, self.iterations = warmup, iterations
-        self.dev = _Device(device)
         self.prompts = _prompts()
         save_pickscore_size_clip(workdir / "pickscore", device, dry=dry)
         build = build_qwen_image if family == "qwen_image" else build_qwen_image21
@@ -169,6 +161,11 @@ class Bench:
         train = training_flops(forward, full_fine_tune=False, recompute=recomputed)
         return samples * rollout_per_sample, samples * s.num_sde_steps * train
 
+    def _mean_flops(self, cfg, adapter, text_tokens: list[list[int]]) -> tuple[int, int]:
+        """Rollout and training FLOPs per iteration, averaged over the measured iterations' text lengths."""
+        flops = [self._iteration_flops(cfg, adapter, lengths) for lengths in text_tokens]
+        return sum(f[0] for f in flops) // len(flops), sum(f[1] for f in flops) // len(flops)
+
     def run_imagerl(self, name: str, overrides: list[str], ceiling: float) -> Row:
         """imagerl's own loop body (train.py): generate (scored as it goes) -> advantages -> flow_grpo_update."""
         from imagerl.algorithms.advantages import rollout_advantages
@@ -177,6 +174,7 @@ class Bench:
         from imagerl.data import PromptGroups
         from imagerl.distributed.fsdp import apply_parallelism
         from imagerl.distributed.parallel import World
+        from imagerl.metrics import PhaseTimer
         from imagerl.rollout import generate
         from imagerl.sampling import sde_window
         from imagerl.scoring import AsyncScorer
@@ -188,38 +186,32 @@ class Bench:
         apply_parallelism(adapter, cfg, world)
         optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
         scoring = AsyncScorer(self.scorer, enabled=cfg.reward.async_scoring)
-        times, text_tokens = [], []
+        timer, times, text_tokens = PhaseTimer(self.device), [], []
+        _peak_gib(self.device)  # resets the peak
         try:
             for it in range(self.warmup + self.iterations):
                 groups = PromptGroups([self.prompts[it % len(self.prompts)]], [{}], [0])
                 window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
                                     cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=it)
-                self.dev.sync()
-                self.dev.reset_peak()
-                t0 = time.perf_counter()
-                rollout = generate(adapter, groups, cfg, it, window, on_batch=scoring.submit)
-                self.dev.sync()
-                t1 = time.perf_counter()
-                scored = scoring.collect()
-                advantages, _ = rollout_advantages(scored.rewards.total_B, scored.rewards.valid_B, rollout.group_ids_B,
-                                                   world, cfg.train.global_std)
-                t2 = time.perf_counter()
-                stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world)
-                self.dev.sync()
-                t3 = time.perf_counter()
+                with timer("rollout"):
+                    rollout = generate(adapter, groups, cfg, it, window, on_batch=scoring.submit)
+                with timer("reward"):
+                    scored = scoring.collect()
+                    advantages, _ = rollout_advantages(scored.rewards.total_B, scored.rewards.valid_B,
+                                                       rollout.group_ids_B, world, cfg.train.global_std)
+                with timer("train"):
+                    stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world)
+                phases, peak = timer.pop_metrics(), _peak_gib(self.device)
                 if it >= self.warmup:
                     lengths = [rollout.text_B[0].shape[0]] + ([rollout.negative.shape[0]] if rollout.negative is not None
                                                               and cfg.sample.guidance_scale > 1 else [])
                     text_tokens.append(lengths)
-                    times.append(dict(rollout_s=t1 - t0, reward_s=t2 - t1, train_s=t3 - t2, total_s=t3 - t0,
-                                      peak_gib=self.dev.peak_gib(), lp_diff=stats.log_prob_mean_abs_diff,
-                                      text_tokens=lengths[0]))
+                    times.append(_iteration_record(phases, peak, stats.log_prob_mean_abs_diff, lengths[0]))
         finally:
             scoring.close()
-        flops = [self._iteration_flops(cfg, adapter, lengths) for lengths in text_tokens]
         samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
-        row = _row(name, overrides, times, sum(f[0] for f in flops) // len(flops), sum(f[1] for f in flops) // len(flops),
-                   ceiling, samples, samples * cfg.sample.num_sde_steps, text_tokens[0][0])
+        row = _row(name, overrides, times, *self._mean_flops(cfg, adapter, text_tokens), ceiling, samples,
+                   samples * cfg.sample.num_sde_steps, text_tokens[0][0])
         self.restore(adapter)
         return row
 
@@ -247,25 +239,25 @@ class Bench:
 
         torch.manual_seed(cfg.run.seed)
         baseline = FlowGRPOBaseline(pipe, reward_fn, settings, self.device)
-        times, lengths = [], None
+        times, text_tokens = [], []
+        _peak_gib(self.device)  # resets the peak
         for it in range(self.warmup + self.iterations):
-            self.dev.sync()
-            self.dev.reset_peak()
-            r = baseline.iteration(self.prompts[it % len(self.prompts)], generator_seed=it)
+            r = baseline.iteration(self.prompts[it % len(self.prompts)], generator_seed=it)  # times synchronised
+            peak = _peak_gib(self.device)
             if it >= self.warmup:
-                lengths = r["text_tokens"]
-                times.append(dict(rollout_s=r["rollout_s"], reward_s=r["reward_s"], train_s=r["train_s"],
-                                  total_s=r["total_s"], peak_gib=self.dev.peak_gib(), lp_diff=r["log_prob_mean_abs_diff"],
-                                  text_tokens=r["text_tokens"]))
+                text_tokens.append(r["text_tokens"])  # the padded row length: the prompt's (longer than " ")
+                times.append(_iteration_record({f"time/{k}": r[k] for k in ("rollout_s", "reward_s", "train_s",
+                                                                             "total_s")},
+                                               peak, r["log_prob_mean_abs_diff"], r["text_tokens"]))
         baseline.remove()
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
         adapter = self.new_adapter()
-        tokens = [lengths, adapter.encode_prompts([" "])[0].shape[0]] if not isinstance(lengths, list) else lengths
-        f_roll, f_train = self._iteration_flops(self.config([f"model.gradient_checkpointing={gradient_checkpointing}"]),
-                                                adapter, tokens)
-        return _row("baseline (diffusers+peft)", [], times, f_roll, f_train, ceiling, s.group_size,
-                    s.group_size * s.num_sde_steps, tokens[0])
+        negative = adapter.encode_prompts([s.negative_prompt])[0].shape[0]
+        flops = self._mean_flops(self.config([f"model.gradient_checkpointing={gradient_checkpointing}"]), adapter,
+                                 [[length, negative] for length in text_tokens])
+        return _row("baseline (diffusers+peft)", [], times, *flops, ceiling, s.group_size,
+                    s.group_size * s.num_sde_steps, text_tokens[0])
 
     def vae_bf16_effect(self, num_images: int = 16) -> dict:
         """Decode the same latents (N(0, 1), seeded) with the VAE in fp32 and in bf16 and score both images with
@@ -297,7 +289,7 @@ class Bench:
         self.transformer.delete_adapters("default")
         self.vae.to(torch.float32)
         gc.collect()
-        if self.dev.cuda:
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
 

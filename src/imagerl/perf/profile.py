@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from imagerl.components import prepare_adapter, resolve_family_defaults
+from imagerl.metrics import PhaseTimer
 
 
 def profile_step(bench, overrides: list[str], rows: int = 12) -> str:
@@ -23,22 +22,21 @@ def profile_step(bench, overrides: list[str], rows: int = 12) -> str:
     cond = adapter.conditioning(text, [negative] * n, s.guidance_scale)
     x = adapter.initial_noise([torch.Generator().manual_seed(i) for i in range(n)], s.height, s.width)
     t = torch.full((n,), 500.0, device=bench.device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.dev.cuda else [])
-    report = []
+    cuda = bench.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    timer, report = PhaseTimer(bench.device), []
     for phase, grad in (("rollout forward", False), ("training forward+backward", True)):
         def step():
             with torch.set_grad_enabled(grad):
                 v = adapter.velocity(x, t, cond, s.height, s.width)
                 if grad:
                     v.square().mean().backward()
-        step()  # warm-up (allocator, kernels)
-        bench.dev.sync()
-        start = time.perf_counter()
-        with profile(activities=activities) as prof:
+        with timer("warm-up"):  # allocator, kernels; synchronised, so none of it reaches the profile
             step()
-            bench.dev.sync()
-        wall = time.perf_counter() - start
-        key = "self_device_time_total" if bench.dev.cuda else "self_cpu_time_total"
+        with profile(activities=activities) as prof, timer("wall"):  # the timer synchronises inside the profile
+            step()
+        wall = timer.pop_metrics()["time/wall_s"]
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
         # operators only (their self device time is the time of the kernels they launched), not the kernel
         # rows as well, which would count the same time twice
         events = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")),
