@@ -109,6 +109,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     if initial_noise_BNC.shape[0] != len(prompts_B):
         raise ValueError(f"initial noise has {initial_noise_BNC.shape[0]} rows for {len(prompts_B)} samples")
 
+    # train.timestep_staging: the trajectory waits on the CPU; the update copies each step's inputs back
+    staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
     traj_in, traj_out, log_probs, images = [], [], [], []
     for start in range(0, len(prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)
@@ -117,22 +119,21 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
                                     kv_cache=s.kv_cache)
         x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
         ins, outs, lps = [], [], []
-        for i in range(s.num_steps):
-            with _training_graph(adapter, cfg.parallel.compile):
+        # (under grad only the velocity, detached, could build a graph: the step arithmetic needs no grad inputs)
+        with _training_graph(adapter, cfg.parallel.compile):
+            for i in range(s.num_steps):
                 v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w).detach()
-            if i in window:
-                noise = torch.cat(_noise(seed, "sde_noise", rollout_step, sample_ids_B[batch],
-                                         lambda g: torch.randn((1, *x.shape[1:]), generator=g), i))
-                out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=s.noise_level, sigma_max=sigmas[1],
-                                    sde_type=s.sde_type, noise=noise)
-                ins.append(x)
-                outs.append(out.prev_sample)
-                lps.append(out.log_prob)
-            else:
-                out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1])
-            x = out.prev_sample
-        # train.timestep_staging: the trajectory waits on the CPU; the update copies each step's inputs back
-        staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
+                if i in window:
+                    noise = torch.cat(_noise(seed, "sde_noise", rollout_step, sample_ids_B[batch],
+                                             lambda g: torch.randn((1, *x.shape[1:]), generator=g), i))
+                    out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=s.noise_level, sigma_max=sigmas[1],
+                                        sde_type=s.sde_type, noise=noise)
+                    ins.append(x)
+                    outs.append(out.prev_sample)
+                    lps.append(out.log_prob)
+                else:
+                    out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1])
+                x = out.prev_sample
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))
         log_probs.append(staged(torch.stack(lps, 1)))
