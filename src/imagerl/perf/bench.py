@@ -58,6 +58,13 @@ class Row:
     text_tokens: int
     overrides: list
     per_iteration: list  # the measured iterations' phase times (a compile stall shows up here)
+    note: str = ""
+
+    @classmethod
+    def out_of_memory(cls, name: str, overrides: list) -> "Row":
+        nan = float("nan")
+        return cls(name, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0, list(overrides), [],
+                   note="out of memory")
 
 
 def _prompts() -> list[str]:
@@ -181,39 +188,41 @@ class Bench:
 
         cfg = self.config(overrides)
         adapter = prepare_adapter(self.new_adapter(), cfg)  # as components.load_adapter, on the shared modules
-        resolve_family_defaults(cfg, adapter)
-        world = World(0, 1, self.device)
-        apply_parallelism(adapter, cfg, world)
-        optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
-        scoring = AsyncScorer(self.scorer, enabled=cfg.reward.async_scoring)
-        timer, times, text_tokens = PhaseTimer(self.device), [], []
-        _peak_gib(self.device)  # resets the peak
         try:
-            for it in range(self.warmup + self.iterations):
-                groups = PromptGroups([self.prompts[it % len(self.prompts)]], [{}], [0])
-                window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
-                                    cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=it)
-                with timer("rollout"):
-                    rollout = generate(adapter, groups, cfg, it, window, on_batch=scoring.submit)
-                with timer("reward"):
-                    scored = scoring.collect()
-                    advantages, _ = rollout_advantages(scored.rewards.total_B, scored.rewards.valid_B,
-                                                       rollout.group_ids_B, world, cfg.train.global_std)
-                with timer("train"):
-                    stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world)
-                phases, peak = timer.pop_metrics(), _peak_gib(self.device)
-                if it >= self.warmup:
-                    lengths = [rollout.text_B[0].shape[0]] + ([rollout.negative.shape[0]] if rollout.negative is not None
-                                                              and cfg.sample.guidance_scale > 1 else [])
-                    text_tokens.append(lengths)
-                    times.append(_iteration_record(phases, peak, stats.log_prob_mean_abs_diff, lengths[0]))
+            resolve_family_defaults(cfg, adapter)
+            world = World(0, 1, self.device)
+            apply_parallelism(adapter, cfg, world)
+            optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
+            scoring = AsyncScorer(self.scorer, enabled=cfg.reward.async_scoring)
+            timer, times, text_tokens = PhaseTimer(self.device), [], []
+            _peak_gib(self.device)  # resets the peak
+            try:
+                for it in range(self.warmup + self.iterations):
+                    groups = PromptGroups([self.prompts[it % len(self.prompts)]], [{}], [0])
+                    window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
+                                        cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=it)
+                    with timer("rollout"):
+                        rollout = generate(adapter, groups, cfg, it, window, on_batch=scoring.submit)
+                    with timer("reward"):
+                        scored = scoring.collect()
+                        advantages, _ = rollout_advantages(scored.rewards.total_B, scored.rewards.valid_B,
+                                                           rollout.group_ids_B, world, cfg.train.global_std)
+                    with timer("train"):
+                        stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world)
+                    phases, peak = timer.pop_metrics(), _peak_gib(self.device)
+                    if it >= self.warmup:
+                        lengths = [rollout.text_B[0].shape[0]] + (
+                            [rollout.negative.shape[0]] if rollout.negative is not None and cfg.sample.guidance_scale > 1
+                            else [])
+                        text_tokens.append(lengths)
+                        times.append(_iteration_record(phases, peak, stats.log_prob_mean_abs_diff, lengths[0]))
+            finally:
+                scoring.close()
+            samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
+            return _row(name, overrides, times, *self._mean_flops(cfg, adapter, text_tokens), ceiling, samples,
+                        samples * cfg.sample.num_sde_steps, text_tokens[0][0])
         finally:
-            scoring.close()
-        samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
-        row = _row(name, overrides, times, *self._mean_flops(cfg, adapter, text_tokens), ceiling, samples,
-                   samples * cfg.sample.num_sde_steps, text_tokens[0][0])
-        self.restore(adapter)
-        return row
+            self.restore(adapter)
 
     def run_baseline(self, ceiling: float, gradient_checkpointing: bool = True) -> Row:
         """The flow_grpo-style loop on diffusers + peft (perf/baseline.py), same geometry and reward."""
@@ -287,7 +296,11 @@ class Bench:
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
         self.transformer.delete_adapters("default")
+        self.transformer.eval()  # a variant stopped mid-update (out of memory) leaves it in train mode
         self.vae.to(torch.float32)
+        self.free_memory()
+
+    def free_memory(self) -> None:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -299,6 +312,9 @@ def format_table(rows: list[Row], baseline: Row | None) -> str:
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         ratio = r.images_per_s / baseline.images_per_s if baseline else float("nan")
+        if r.note:
+            lines.append(" | ".join([r.name, r.note] + [""] * (len(head) - 2)))
+            continue
         lines.append(" | ".join([r.name, f"{r.rollout_images_per_s:.3f}", f"{r.train_pairs_per_s:.3f}",
                                  f"{r.images_per_s:.3f}", f"{ratio:.2f}", f"{r.rollout_mfu:.1%}", f"{r.train_mfu:.1%}",
                                  f"{r.peak_gib:.1f}", f"{r.log_prob_mean_abs_diff:.2g}"]))
@@ -348,7 +364,12 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
             echo(format_table(rows[-1:], base))
             save()
         for name, overrides in variants.items():
-            rows.append(bench.run_imagerl(name, overrides, ceiling))
+            try:
+                rows.append(bench.run_imagerl(name, overrides, ceiling))
+            except torch.OutOfMemoryError as error:  # a variant too big for the device: say so, go on with the rest
+                echo(f"{name}: out of memory ({str(error).splitlines()[0]})")
+                rows.append(Row.out_of_memory(name, overrides))
+            bench.free_memory()  # what the failed variant's frames held, now that the exception is gone
             echo(format_table(rows[-1:], base))
             save()
         vae = bench.vae_bf16_effect()
