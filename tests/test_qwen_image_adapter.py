@@ -138,3 +138,39 @@ def test_bf16_vae_decode_is_close_to_fp32(tiny_checkpoint):
     assert images.dtype == torch.float32 and images.shape == reference.shape
     diff = (images - reference).abs()
     assert 0 < diff.max() < 0.05 and diff.mean() < 5e-3, (diff.max(), diff.mean())
+
+
+def test_text_padded_to_a_multiple_gives_the_same_velocity(adapter):
+    """model.text_length_multiple: the cond/uncond batch padded further, to a multiple of m tokens (masked keys),
+    gives the velocity of the batch padded to its longest row only; the default pads nothing extra."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 16, 16)
+    t = torch.tensor([900.0, 300.0])
+    emb = adapter.encode_prompts([PROMPTS[0], PROMPTS[1]])
+    neg = adapter.encode_prompts([" "]) * 2
+    longest = max(e.shape[0] for e in emb)
+    tight = adapter.conditioning(emb, neg, 4.0)
+    assert tight.embeds_BLD.shape[1] == longest
+    m = next(m for m in (8, 7, 5) if longest % m)  # one that needs padding
+    adapter.text_length_multiple = m
+    try:
+        padded = adapter.conditioning(emb, neg, 4.0)
+    finally:
+        adapter.text_length_multiple = 1
+    assert padded.embeds_BLD.shape[1] % m == 0 and longest < padded.embeds_BLD.shape[1] < longest + m
+    assert not padded.mask_BL[:, longest:].any()
+    torch.testing.assert_close(adapter.velocity(x, t, padded, 64, 64), adapter.velocity(x, t, tight, 64, 64),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_text_length_multiple_resolves_from_compile(tiny_checkpoint):
+    """0 (the default) pads to a multiple of 8 under parallel.compile and not at all in eager; negatives are refused."""
+    from imagerl.components import prepare_adapter
+    from imagerl.config import load_config, validate
+
+    with pytest.raises(ValueError, match="text_length_multiple"):
+        validate(load_config("quickstart", ["model.text_length_multiple=-1"]))
+    for overrides, expected in (([], 1), (["parallel.compile=true"], 8), (["model.text_length_multiple=16"], 16)):
+        adapter = QwenImageFamily.from_pretrained(tiny_checkpoint, torch.device("cpu"), torch.float32)
+        prepare_adapter(adapter, load_config("quickstart", overrides + ["model.lora_rank=2"]))
+        assert adapter.text_length_multiple == expected

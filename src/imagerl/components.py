@@ -61,6 +61,7 @@ def load_adapter(cfg: Config, world: World):
 def prepare_adapter(adapter, cfg: Config):
     """Apply cfg.model's execution settings to a loaded adapter and add a fresh LoRA."""
     adapter.group_text_lengths = cfg.model.group_text_lengths
+    adapter.text_length_multiple = cfg.model.text_length_multiple or (8 if cfg.parallel.compile else 1)
     vae_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.model.vae_dtype)
     if vae_dtype is None:
         raise ValueError(f"model.vae_dtype must be float32 or bfloat16, got {cfg.model.vae_dtype!r}")

@@ -50,6 +50,11 @@ class ModelConfig:
     """VAE decode (and encode) dtype: "float32" (flow_grpo, the pipeline's output path) or "bfloat16" (faster;
     the images, and so the rewards, differ slightly: benchmarks/RESULTS.md measures by how much)."""
     group_text_lengths: bool = False
+    text_length_multiple: int = 0
+    """qwen_image: pad each forward's text to a multiple of this many tokens (masked keys, the same values).
+    0: 8 with parallel.compile, else 1. Inductor specialises a block's graph on whether the joint sequence
+    (4096 image + L text tokens at 1024 px, 1024 + L at 512 px) is a multiple of 8 (alignment guard
+    `(N + L) % 8`), so unpadded prompt lengths cost a second compiled graph; padded, one graph serves all."""
     """qwen_image: run the rows of a batch with different text lengths (cond vs uncond with CFG, prompts of
     different lengths) as separate unmasked forwards instead of one forward padded to the longest row with a
     key mask (flow_grpo, the pipeline): no padded tokens and attention without a mask; the same math. qwen_image21
@@ -183,7 +188,8 @@ class RunConfig:
 
 @dataclass
 class ParallelConfig:
-    """Several processes (torchrun); see docs/design.md "Many GPUs". Single process: only `deterministic` applies."""
+    """Several processes (torchrun); see docs/design.md "Many GPUs". Single process: only `compile` and
+    `deterministic` apply."""
 
     strategy: str = "auto"
     """"auto" (fsdp when world size > 1), "fsdp" (FSDP2 fully_shard per transformer block, then the root) or
@@ -361,6 +367,8 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             raise ValueError(f"{key} must be >= 1, got {value}")
     if not 1 <= world_size:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if cfg.model.text_length_multiple < 0:
+        raise ValueError(f"model.text_length_multiple must be >= 0 (0: automatic), got {cfg.model.text_length_multiple}")
     if cfg.model.vae_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"model.vae_dtype must be 'float32' or 'bfloat16', got {cfg.model.vae_dtype!r}")
     if s.sde_type not in ("sde", "cps"):

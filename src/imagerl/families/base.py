@@ -129,6 +129,8 @@ class FamilyAdapter:
     # model.group_text_lengths (qwen_image): rows of different text lengths run as separate unmasked forwards (no
     # padded tokens, attention without a mask) instead of one padded, masked forward; the same math
     group_text_lengths: bool = False
+    # model.text_length_multiple (qwen_image): padded text length rounded up to a multiple of this (masked keys)
+    text_length_multiple: int = 1
     lora_target_modules: tuple[str, ...] = ()
     pipeline_class_name: str = ""
 

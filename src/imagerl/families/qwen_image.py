@@ -163,7 +163,8 @@ class QwenImageFamily(FamilyAdapter):
         if self.group_text_lengths:
             rows_G, embeds_G, inverse = group_rows_by_length(rows, self.device)
             return Conditioning(None, None, float(guidance_scale), cfg, rows_G, embeds_G, inverse)
-        length = max(r.shape[0] for r in rows)
+        m = self.text_length_multiple  # padded keys are masked, so rounding the length up changes no value
+        length = -(-max(r.shape[0] for r in rows) // m) * m
         embeds = torch.zeros(len(rows), length, rows[0].shape[1], dtype=rows[0].dtype, device=self.device)
         mask = torch.zeros(len(rows), length, dtype=torch.bool, device=self.device)
         for i, r in enumerate(rows):

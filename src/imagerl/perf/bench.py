@@ -33,12 +33,15 @@ GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.heig
             "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_start=3", "train.num_optimizer_steps=2",
             "model.lora_rank=64", "model.lora_alpha=128", "model.lora_init=gaussian", "reward.weights={pickscore: 1.0}"]
 DRY_GEOMETRY = ["sample.group_size=4", "sample.height=64", "sample.width=64", "sample.num_steps=6",
-                "sample.batch_size=2", "model.lora_rank=4", "model.lora_alpha=8"]
+                "sample.batch_size=2", "model.lora_rank=4", "model.lora_alpha=8", "parallel.compile=false"]
+# the qwen_image recipe is regional compile at batch 8 (what won on the H200, benchmarks/RESULTS.md)
 DEFAULT_VARIANTS = {
-    "qwen_image": {"imagerl": [], "imagerl compile b8": ["parallel.compile=true", "sample.batch_size=8"],
-                   "imagerl compile b8 ckpt/2": ["parallel.compile=true", "sample.batch_size=8", "model.checkpoint_every=2"]},
+    "qwen_image": {"imagerl (recipe: compile, batch 8)": [],
+                   "imagerl, checkpoint every 2nd block": ["model.checkpoint_every=2"],
+                   "imagerl eager, batch 4": ["parallel.compile=false", "sample.batch_size=4"]},
     "qwen_image21": {"imagerl": [], "imagerl b8": ["sample.batch_size=8"], "imagerl compile": ["parallel.compile=true"]},
 }
+BASELINE_BATCH_SIZE = 4  # flow_grpo's Qwen-Image sample / train batch per GPU
 
 
 @dataclass
@@ -239,7 +242,7 @@ class Bench:
                                  self.text_encoder, self.tokenizer, self.transformer)
         settings = BaselineSettings(height=s.height, width=s.width, num_steps=s.num_steps, guidance_scale=4.0,
                                     noise_level=s.noise_level, sde_steps=(3, 4), group_size=s.group_size,
-                                    batch_size=s.batch_size, num_optimizer_steps=cfg.train.num_optimizer_steps,
+                                    batch_size=BASELINE_BATCH_SIZE, num_optimizer_steps=cfg.train.num_optimizer_steps,
                                     lr=cfg.train.lr, clip_range=cfg.train.clip_range, lora_rank=cfg.model.lora_rank,
                                     lora_alpha=cfg.model.lora_alpha, gradient_checkpointing=gradient_checkpointing)
 
