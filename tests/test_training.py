@@ -182,6 +182,47 @@ def test_rollout_as_training_graph_changes_nothing_in_eager(tiny_checkpoint, tmp
     assert not adapter.transformer.training
 
 
+def test_forward_only_blocks_feed_every_block_as_training_does(tiny_checkpoint, tmp_path):
+    """adapter.forward_only_blocks (the compiled rollout's forwards): every block sees inputs with the same
+    requires_grad as in a training forward (so a compiled block runs the same graph), no checkpoint wrapper
+    runs, nothing reaches the LoRA grads, the velocity is the same bit for bit, and the transformer's
+    checkpointing settings are restored afterwards."""
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "model.gradient_checkpointing=true")
+    adapter = load_adapter(cfg, World(0, 1, torch.device("cpu")))
+    resolve_family_defaults(cfg, adapter)
+    calls, checkpoint = [], adapter.transformer._gradient_checkpointing_func  # count the checkpointed block calls
+    adapter.transformer._gradient_checkpointing_func = lambda *a, **k: calls.append(1) or checkpoint(*a, **k)
+    emb = adapter.encode_prompts(["a red circle", "two blue squares"])
+    cond = adapter.conditioning(emb, adapter.encode_prompts([" "]) * 2, 4.0)
+    torch.manual_seed(0)
+    x = torch.randn(2, adapter.image_seq_len(64, 64), adapter.transformer.config.in_channels)
+    t = torch.tensor([700.0, 200.0])
+    for p in adapter.trainable_parameters():  # B = 0 at init: give the LoRA a non-zero path
+        p.data.normal_(0, 0.02)
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+        tuple(a.requires_grad for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))), with_kwargs=True)
+        for b in adapter.transformer_blocks()]
+    adapter.transformer.train()
+    with torch.enable_grad():
+        training = adapter.velocity(x, t, cond, 64, 64)
+    as_training, seen = seen, []
+    assert len(calls) == len(adapter.transformer_blocks())  # the training forward: every block checkpointed
+    calls.clear()
+    saved = adapter.transformer._gradient_checkpointing_func, adapter.transformer.gradient_checkpointing
+    with torch.enable_grad(), adapter.forward_only_blocks():
+        rollout = adapter.velocity(x, t, cond, 64, 64).detach()
+    adapter.transformer.eval()
+    for h in hooks:
+        h.remove()
+    assert seen == as_training and len(seen) == len(adapter.transformer_blocks())
+    assert any(any(flags) for flags in seen)  # later blocks' inputs do need grad (the LoRA of earlier blocks)
+    assert calls == []
+    assert torch.equal(rollout, training.detach())
+    assert all(p.grad is None for p in adapter.trainable_parameters())
+    assert (adapter.transformer._gradient_checkpointing_func, adapter.transformer.gradient_checkpointing) == saved
+
+
 @pytest.mark.parametrize("every, expected_checkpointed", [(1, "all"), (2, "half")])
 def test_selective_activation_checkpointing(tiny_checkpoint, tmp_path, monkeypatch, every, expected_checkpointed):
     """model.checkpoint_every=k recomputes every k-th block only; the LoRA gradients equal those without any

@@ -67,14 +67,14 @@ def _training_graph(adapter, enabled: bool):
     """With parallel.compile the rollout's forwards run as training forwards (train mode, grad on, outputs
     detached by the caller): Inductor compiles an inference graph differently from a training graph's forward
     and their fused kernels round differently (H200, bf16: the training replay's log-probs were off by 1.2e-5,
-    benchmarks/RESULTS.md); one graph keeps the replay exact. Costs the autograd bookkeeping of a forward
-    (with gradient checkpointing only each block's inputs are held, until the output is dropped)."""
+    benchmarks/RESULTS.md); one graph keeps the replay exact. Each block's outputs are cut from the graph as
+    they come (adapter.forward_only_blocks), so no activations are held and no checkpoint wrapper runs."""
     if not enabled:
         yield
         return
     adapter.transformer.train()
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), adapter.forward_only_blocks():
             yield
     finally:
         adapter.transformer.eval()

@@ -15,6 +15,11 @@ import torch
 import torch.utils.checkpoint
 
 
+def _cut(x):
+    """A tensor without its autograd history, requiring grad as before (a leaf); anything else unchanged."""
+    return x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+
+
 @dataclass
 class Conditioning:
     """Text conditioning for one batch of B images, ready for the transformer.
@@ -206,6 +211,25 @@ class FamilyAdapter:
             return block(*args)
 
         self.transformer.enable_gradient_checkpointing(checkpoint_selected)
+
+    @contextlib.contextmanager
+    def forward_only_blocks(self):
+        """Forwards under grad that keep no graph: each block's outputs are cut from the autograd graph as soon as
+        they exist (detached, requires_grad kept as it was). The blocks run the very graphs a training forward
+        runs (compiled: same requires_grad on every input, so the same Inductor graph), but nothing is held for
+        a backward and no checkpoint wrapper runs. Used by the rollout under parallel.compile (rollout.py)."""
+        transformer = self.transformer
+        saved = transformer.gradient_checkpointing, getattr(transformer, "_gradient_checkpointing_func", None)
+
+        def run_block(block, *args):  # diffusers calls this for each block when grad is on and the flag is set
+            out = block(*args)
+            return tuple(map(_cut, out)) if isinstance(out, tuple) else _cut(out)
+
+        transformer.gradient_checkpointing, transformer._gradient_checkpointing_func = True, run_block
+        try:
+            yield
+        finally:
+            transformer.gradient_checkpointing, transformer._gradient_checkpointing_func = saved
 
     def text_encoder_module(self) -> torch.nn.Module | None:
         """The text-encoder module the adapter calls (its forward runs the decoder layers)."""
