@@ -256,3 +256,14 @@ def test_lora_export_loads_into_the_pipeline(tiny21, tmp_path):
             base = adapter.transformer(**inputs)[0]
     assert torch.allclose(theirs, ours, atol=1e-5), (theirs - ours).abs().max()
     assert (ours - base).abs().max() > 1e-2
+
+
+def test_compile_is_refused_with_the_reason(adapter):
+    """parallel.compile crashed for Qwen-Image 2.1 on the H200 (benchmarks/RESULTS.md run F): refused before any
+    model work, with the reason and what to set instead; eager passes."""
+    from imagerl.components import resolve_family_defaults
+    from imagerl.config import load_config
+
+    with pytest.raises(ValueError, match="illegal memory access.*parallel.compile=false"):
+        resolve_family_defaults(load_config("qwen_image21_jpeg", ["parallel.compile=true"]), adapter)
+    resolve_family_defaults(load_config("qwen_image21_jpeg"), adapter)

@@ -86,5 +86,8 @@ def resolve_family_defaults(cfg: Config, adapter) -> None:
     """Fill settings left to the family (guidance scale) and reject ones it cannot honour."""
     if cfg.sample.guidance_scale is None:
         cfg.sample.guidance_scale = adapter.default_guidance_scale
+    if cfg.parallel.compile and adapter.compile_refused:
+        raise ValueError(f"parallel.compile=true is refused for the {adapter.name} family: {adapter.compile_refused}. "
+                         "Set parallel.compile=false.")
     if cfg.sample.kv_cache and not adapter.supports_kv_cache:
         raise ValueError(f"sample.kv_cache=true: the {adapter.name} family has no text prefix KV cache; set it to false")
