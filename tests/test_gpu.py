@@ -29,7 +29,11 @@ def test_bf16_rollout_replays_exactly_on_gpu(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.group_text_lengths=true"], ["parallel.compile=true"],
-                                       ["train.timestep_staging=true"], ["model.checkpoint_every=2"]])
+                                       ["parallel.compile=true", "model.gradient_checkpointing=true"],
+                                       ["parallel.compile=true", "model.gradient_checkpointing=true",
+                                        "model.checkpoint_every=2"],
+                                       ["train.timestep_staging=true"],
+                                       ["model.gradient_checkpointing=true", "model.checkpoint_every=2"]])
 def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, overrides):
     from imagerl.train import train
 
