@@ -201,7 +201,7 @@ def test_empty_recipe_file_gives_the_defaults(tmp_path):
     (["sample.prompts_per_rollout=3"], 2, r"prompts_per_rollout=3 must be divisible by the 2 ranks"),
     (["sample.group_size=3", "sample.batch_size=8"], 1, r"= 12 samples, not a multiple of sample\.batch_size=8"),
     (["sample.group_size=3", "sample.batch_size=4"], 2, r"2 x 3 = 6 samples, not a multiple of sample\.batch_size=4"),
-    (["train.num_optimizer_steps=3"], 1, r"4 batches per rank .* cannot be split evenly into train\.num_optimizer_steps=3"),
+    (["train.num_optimizer_steps=3"], 1, r"4 training batches per rank .* cannot be split evenly into train\.num_optimizer_steps=3"),
     (["sample.num_sde_steps=3", "sample.sde_window_range=[0,2]", "sample.sde_window_start=0"], 1,
      r"num_sde_steps=3 does not fit sample\.sde_window_range=\[0, 2\]"),
     (["sample.sde_window_range=[0,10]"], 1, r"0 <= lo < hi <= num_steps - 1 = 9"),

@@ -53,6 +53,38 @@ def test_frozen_weights_replay_rollout_log_probs_exactly(tiny_checkpoint, tmp_pa
             assert torch.equal(kl_to_reference(out.mean, ref.mean, out.std_dev_t), torch.zeros(3))
 
 
+def test_rollout_batch_larger_than_training_batch_replays_exactly(tiny_checkpoint, tmp_path):
+    """sample.batch_size=4 with train.batch_size=2: both prompts share each rollout forward, but the window steps
+    run per training batch (one prompt, its own text padding), so the update's forwards reproduce them bit for
+    bit. Replaying them as one batch of 4 (the rollout forward's composition) would not: the shorter prompt's
+    rows are then padded to the longer one's text."""
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.batch_size=4", "train.batch_size=2",
+                      "train.num_optimizer_steps=1")
+    adapter, rollout = _rollout(cfg)
+    assert rollout.batch_size == 2 and rollout.batches() == [slice(0, 2), slice(2, 4)]
+    assert len({t.shape[0] for t in rollout.text_B}) == 2  # the two prompts have different text lengths
+    adapter.transformer.train()
+    whole = slice(0, 4)
+    for j in range(2):
+        for batch in rollout.batches():
+            out = _step_log_prob(adapter, rollout, batch, j, rollout.conditioning(adapter, batch, 4.0), cfg)
+            assert torch.equal(out.log_prob, rollout.log_probs_BS[batch, j])
+        padded = _step_log_prob(adapter, rollout, whole, j, rollout.conditioning(adapter, whole, 4.0), cfg)
+        assert not torch.equal(padded.log_prob, rollout.log_probs_BS[whole, j])
+        torch.testing.assert_close(padded.log_prob, rollout.log_probs_BS[whole, j])  # the same math
+
+
+def test_training_batch_must_divide_the_rollout_batch_and_sets_the_plan(tiny_checkpoint, tmp_path):
+    from imagerl.config import validate
+
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.batch_size=4", "train.batch_size=1")
+    assert validate(cfg).batches_per_rank == 4 and validate(cfg).batches_per_optimizer_step == 2
+    for bad in ("3", "-1"):
+        cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.batch_size=4", f"train.batch_size={bad}")
+        with pytest.raises(ValueError, match=rf"train\.batch_size={bad} must divide sample\.batch_size=4"):
+            validate(cfg)
+
+
 def test_training_run_with_lr_zero_has_ratio_exactly_one(tiny_checkpoint, tmp_path):
     cfg = tiny_config(tiny_checkpoint, tmp_path, "train.lr=0", "train.num_rollouts=1")
     train(cfg)

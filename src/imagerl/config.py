@@ -97,7 +97,8 @@ class SampleConfig:
     group_size: int = 16
     """Samples per prompt K (flow_grpo: 16)."""
     batch_size: int = 4
-    """Samples per forward per rank (CFG doubles it); training replays the same batches."""
+    """Samples per rollout forward per rank (CFG doubles the rows). The SDE-window steps run in sub-batches of
+    train.batch_size, the batches the training forwards replay."""
     same_initial_noise: bool = False
     """All K samples of a group start from the same initial noise (flow_grpo's `sample.same_latent`): the
     group's rewards then differ only through the SDE window's noise, the part the update credits."""
@@ -122,6 +123,11 @@ class TrainConfig:
     """KL weight against the LoRA-disabled reference policy (0: no reference forward)."""
     num_optimizer_steps: int = 2
     """Optimizer steps per rollout; the rollout's samples are split evenly (flow_grpo: 2)."""
+    batch_size: int = 0
+    """Samples per training forward per rank (CFG doubles the rows); 0: sample.batch_size. It must divide
+    sample.batch_size: the rollout runs its SDE-window steps in sub-batches of this size, so that the training
+    forwards replay them exactly, and its other steps at sample.batch_size (a larger rollout batch than
+    training memory allows)."""
     timestep_staging: bool = False
     """Keep the rollout's trajectory (window latents, old log-probs) on the CPU and copy each micro-batch's step
     inputs to the GPU just before their forward (verl-omni's enable_timestep_staging): device memory for
@@ -346,9 +352,14 @@ class BatchPlan:
     samples_per_rollout: int  # P x K over all ranks
     prompts_per_rank: int  # P / W complete groups per rank
     samples_per_rank: int  # P x K / W
-    batches_per_rank: int  # samples_per_rank / batch_size
+    batches_per_rank: int  # training batches: samples_per_rank / training_batch_size
     batches_per_optimizer_step: int  # batches_per_rank / num_optimizer_steps
     samples_per_optimizer_step: int  # over all ranks
+
+
+def training_batch_size(cfg: Config) -> int:
+    """Samples per training forward (train.batch_size, 0 meaning sample.batch_size)."""
+    return cfg.train.batch_size or cfg.sample.batch_size
 
 
 def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
@@ -367,6 +378,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             raise ValueError(f"{key} must be >= 1, got {value}")
     if not 1 <= world_size:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if t.batch_size < 0 or (t.batch_size and s.batch_size % t.batch_size):
+        raise ValueError(f"train.batch_size={t.batch_size} must divide sample.batch_size={s.batch_size} (the rollout's "
+                         "SDE-window steps run in training-sized sub-batches), or be 0 for sample.batch_size")
     if cfg.model.text_length_multiple < 0:
         raise ValueError(f"model.text_length_multiple must be >= 0 (0: automatic), got {cfg.model.text_length_multiple}")
     if cfg.model.vae_dtype not in ("float32", "bfloat16"):
@@ -423,12 +437,13 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             f"each rank generates prompts_per_rollout/ranks x group_size = {s.prompts_per_rollout // world_size} x "
             f"{s.group_size} = {per_rank} samples, not a multiple of sample.batch_size={s.batch_size}"
         )
-    batches = per_rank // s.batch_size
+    micro = training_batch_size(cfg)
+    batches = per_rank // micro
     if batches % t.num_optimizer_steps:
         raise ValueError(
-            f"{batches} batches per rank (of {s.batch_size} samples) cannot be split evenly into "
+            f"{batches} training batches per rank (of {micro} samples) cannot be split evenly into "
             f"train.num_optimizer_steps={t.num_optimizer_steps}; change one of sample.prompts_per_rollout, "
-            "sample.group_size, sample.batch_size, train.num_optimizer_steps"
+            "sample.group_size, sample.batch_size / train.batch_size, train.num_optimizer_steps"
         )
     return BatchPlan(samples, s.prompts_per_rollout // world_size, per_rank, batches,
                      batches // t.num_optimizer_steps, samples // t.num_optimizer_steps)

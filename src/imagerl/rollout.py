@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from imagerl.config import Config
+from imagerl.config import Config, training_batch_size
 from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
@@ -30,7 +30,8 @@ class Rollout:
     text_B: per-image prompt embedding (L_i, D) (shared with the prompt cache); negative: (L, D) or None.
     latents_BSNC: float32 latent entering each window step; next_latents_BSNC: the sampled next latent.
     log_probs_BS: float32 old log-probs; timesteps_S / sigmas_S / sigmas_next_S: float32 per window step.
-    images_B3HW: float32 in [0, 1] on the CPU. batch_size: the forward batch used (and replayed).
+    images_B3HW: float32 in [0, 1] on the CPU. batch_size: the training batch (train.batch_size), in which the
+    window steps were sampled and are replayed.
     """
 
     prompts_B: list[str]
@@ -111,29 +112,38 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
 
     # train.timestep_staging: the trajectory waits on the CPU; the update copies each step's inputs back
     staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
+    micro = training_batch_size(cfg)
     traj_in, traj_out, log_probs, images = [], [], [], []
     for start in range(0, len(prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)
         n = len(prompts_B[batch])
         cond = adapter.conditioning(text_B[batch], [negative] * n if negative is not None else None, s.guidance_scale,
                                     kv_cache=s.kv_cache)
+        # the SDE-window steps run in the training batches (train.batch_size), each with its own conditioning, as
+        # the update replays them: a forward's rounding depends on its batch (row count, text padding)
+        subs = [slice(a, min(a + micro, n)) for a in range(0, n, micro)]
+        window_conds = [cond] if len(subs) == 1 else [
+            adapter.conditioning(text_B[batch][sub], [negative] * (sub.stop - sub.start) if negative is not None
+                                 else None, s.guidance_scale, kv_cache=s.kv_cache) for sub in subs]
         x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
         ins, outs, lps = [], [], []
         # (under grad only the velocity, detached, could build a graph: the step arithmetic needs no grad inputs)
         with _training_graph(adapter, cfg.parallel.compile):
             for i in range(s.num_steps):
-                v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w).detach()
                 if i in window:
                     noise = torch.cat(_noise(seed, "sde_noise", rollout_step, sample_ids_B[batch],
                                              lambda g: torch.randn((1, *x.shape[1:]), generator=g), i))
-                    out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=s.noise_level, sigma_max=sigmas[1],
-                                        sde_type=s.sde_type, noise=noise)
+                    steps = [flow_sde_step(x[sub], adapter.velocity(x[sub], timesteps[i].expand(sub.stop - sub.start),
+                                                                    c, h, w).detach(),
+                                           sigmas[i], sigmas[i + 1], noise_level=s.noise_level, sigma_max=sigmas[1],
+                                           sde_type=s.sde_type, noise=noise[sub]) for sub, c in zip(subs, window_conds)]
                     ins.append(x)
-                    outs.append(out.prev_sample)
-                    lps.append(out.log_prob)
+                    x = torch.cat([out.prev_sample for out in steps])
+                    outs.append(x)
+                    lps.append(torch.cat([out.log_prob for out in steps]))
                 else:
-                    out = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1])
-                x = out.prev_sample
+                    v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w).detach()
+                    x = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1]).prev_sample
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))
         log_probs.append(staged(torch.stack(lps, 1)))
@@ -149,7 +159,7 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         text_B=text_B, negative=negative, latents_BSNC=torch.cat(traj_in), next_latents_BSNC=torch.cat(traj_out),
         log_probs_BS=torch.cat(log_probs), timesteps_S=timesteps[steps], sigmas_S=sigmas[steps],
         sigmas_next_S=sigmas[steps + 1], sigma_max=sigmas[1], images_B3HW=torch.cat(images), window=window,
-        batch_size=s.batch_size,
+        batch_size=micro,
     )
 
 
