@@ -56,6 +56,9 @@ def test_the_shared_transformer_is_returned_to_its_plain_state(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--dry-run", "--variant", ":model.vae_dtype=bfloat16"], "must look like 'name:section.key=value"),
     (["bench", "--dry-run", "--family", "sd3"], "unknown family 'sd3'"),
+    # checked before any model is built: a bad variant after good ones must not cost the good ones' GPU time
+    (["bench", "--dry-run", "--variant", "ok:", "--variant", "b16:sample.batch_size=4,train.num_optimizer_steps=8"],
+     "variant 'b16': 1 training batches per rank (of 4 samples) cannot be split evenly"),
 ])
 def test_bench_cli_rejects_bad_arguments(argv, message, capsys):
     assert main(argv) == 2

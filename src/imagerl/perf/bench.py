@@ -117,6 +117,28 @@ def _row(name, overrides, times: list[dict], flops_rollout: int, flops_train: in
                total_s=mean["total_s"], text_tokens=text_tokens, overrides=list(overrides), per_iteration=times)
 
 
+def variant_config(family: str, base_overrides: list[str], overrides: list[str]):
+    """The family's recipe in the bench geometry with a variant's overrides, validated."""
+    from imagerl.config import load_config, validate
+
+    cfg = load_config(RECIPES[family], base_overrides + list(overrides))
+    validate(cfg)
+    return cfg
+
+
+def check_variants(family: str, dry: bool, variants: dict[str, list[str]], profiles) -> None:
+    """Every variant and profile validated before the models are built (minutes on the GPU): a bad one is a
+    ValueError naming it, not a crash after the rows before it."""
+    if family not in FAMILIES:
+        raise ValueError(f"imagerl bench: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    base = GEOMETRY + (DRY_GEOMETRY if dry else [])
+    for name, overrides in [*variants.items(), *((f"--profile {','.join(p)}", p) for p in profiles)]:
+        try:
+            variant_config(family, base, overrides)
+        except ValueError as error:
+            raise ValueError(f"variant {name!r}: {error}") from error
+
+
 class Bench:
     def __init__(self, family: str, device: torch.device, dry: bool, workdir: Path, warmup: int, iterations: int):
         from imagerl.config import load_config
@@ -139,11 +161,7 @@ class Bench:
         self.scorer = Scorer(load_config(RECIPES[family], self.base_overrides).reward, device)
 
     def config(self, overrides: list[str]):
-        from imagerl.config import load_config, validate
-
-        cfg = load_config(RECIPES[self.family], self.base_overrides + list(overrides))
-        validate(cfg)
-        return cfg
+        return variant_config(self.family, self.base_overrides, overrides)
 
     def new_adapter(self):
         """A family adapter around the shared modules (no LoRA yet)."""
@@ -337,6 +355,7 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
         raise RuntimeError("imagerl bench needs a CUDA GPU (released-size models); --dry-run checks the code path on CPU")
     if variants is None:
         variants = {"imagerl": [], "imagerl grouped": ["model.group_text_lengths=true"]} if dry else DEFAULT_VARIANTS[family]
+    check_variants(family, dry, variants, profiles)
     ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=512 if dry else 8192, iterations=3 if dry else 20)
     echo(f"bf16 matmul ceiling: {ceiling / 1e12:.1f} TFLOP/s")
     rows, base, vae, profile_text = [], None, None, []
