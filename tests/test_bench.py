@@ -15,14 +15,16 @@ from imagerl.perf.bench import run_bench
 def dry_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     lines = []
-    rows = run_bench("qwen_image", {"imagerl grouped": ["model.group_text_lengths=true"]}, warmup=0, iterations=1,
+    variants = {"imagerl grouped": ["model.group_text_lengths=true"],
+                "imagerl merged, train b1": ["sample.merge_lora=true", "train.batch_size=1"]}
+    rows = run_bench("qwen_image", variants, warmup=0, iterations=1,
                      dry=True, out=out, profiles=[[]], echo=lines.append)
     return rows, out, "\n".join(lines)
 
 
 def test_dry_bench_runs_baseline_and_imagerl_on_policy(dry_bench):
     rows, out, printed = dry_bench
-    assert [r.name for r in rows] == ["baseline (diffusers+peft)", "imagerl grouped"]
+    assert [r.name for r in rows] == ["baseline (diffusers+peft)", "imagerl grouped", "imagerl merged, train b1"]
     for r in rows:
         assert r.images_per_s > 0 and r.rollout_images_per_s > r.images_per_s and r.train_pairs_per_s > 0
         assert r.rollout_s + r.train_s <= r.total_s + 1e-6

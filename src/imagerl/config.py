@@ -102,6 +102,11 @@ class SampleConfig:
     same_initial_noise: bool = False
     """All K samples of a group start from the same initial noise (flow_grpo's `sample.same_latent`): the
     group's rewards then differ only through the SDE window's noise, the part the update credits."""
+    merge_lora: bool = False
+    """The steps outside the SDE window (ODE steps, never replayed) run without gradients on a copy of the
+    weights with the LoRA merged in: no LoRA matmuls there. The window steps and training keep the unmerged
+    weights, so the replay stays exact. Costs the merged copies during the rollout (qwen_image r64, 12 targets:
+    27 GB in bf16). Not under FSDP (sharded weights)."""
     kv_cache: bool = False
     """qwen_image21 only: reuse the text prefix's keys/values across rollout steps (faster rollout). Training
     always runs the full forward: the replay is exact on CPU fp32, but not guaranteed on GPU (an H200 run
@@ -423,7 +428,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
 
-    validate_parallel(cfg, world_size)
+    if validate_parallel(cfg, world_size) == "fsdp" and s.merge_lora:
+        raise ValueError("sample.merge_lora needs unsharded weights: set sample.merge_lora=false under FSDP, or "
+                         "parallel.strategy=replicate")
 
     samples = s.prompts_per_rollout * s.group_size
     if s.prompts_per_rollout % world_size:

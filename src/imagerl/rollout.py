@@ -19,6 +19,7 @@ import torch
 from imagerl.config import Config, training_batch_size
 from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
+from imagerl.families.merged_lora import MergedLora
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
 
 
@@ -113,6 +114,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     # train.timestep_staging: the trajectory waits on the CPU; the update copies each step's inputs back
     staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
     micro = training_batch_size(cfg)
+    # sample.merge_lora: the steps outside the window run on merged weights (families/merged_lora.py)
+    off_window = MergedLora(adapter.transformer).applied if s.merge_lora else contextlib.nullcontext
     traj_in, traj_out, log_probs, images = [], [], [], []
     for start in range(0, len(prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)
@@ -142,7 +145,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
                     outs.append(x)
                     lps.append(torch.cat([out.log_prob for out in steps]))
                 else:
-                    v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w).detach()
+                    with off_window():
+                        v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w).detach()
                     x = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1]).prev_sample
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))

@@ -183,6 +183,10 @@ class Bench:
         forward = _forward_flops(*args)
         # kv_cache (qwen_image21): the first rollout step fills the text prefix's cache, later steps reuse it
         rollout_per_sample = forward + (s.num_steps - 1) * (_forward_flops(*args, cached=True) if s.kv_cache else forward)
+        if s.merge_lora:  # the off-window steps run no LoRA matmuls: count what ran (kv_cache: as cached steps)
+            no_lora = args[:4] + (0,) + args[5:]
+            off = _forward_flops(*no_lora, cached=s.kv_cache) - _forward_flops(*args, cached=s.kv_cache)
+            rollout_per_sample += (s.num_steps - s.num_sde_steps) * off
         samples = s.prompts_per_rollout * s.group_size
         blocks = len(self.transformer.transformer_blocks)
         recomputed = -(-blocks // cfg.model.checkpoint_every) / blocks if cfg.model.gradient_checkpointing else 0.0

@@ -1,0 +1,57 @@
+"""The LoRA folded into a copy of the base weights, for forwards that need neither gradients nor exactness.
+
+A rollout's steps outside the SDE window are deterministic ODE steps: they are never replayed and give no
+log-prob, so they may run on W' = W + scaling * B @ A (one GEMM per adapted layer, the LoRA matmuls,
+dtype casts and adds gone) instead of W x + scaling * B(A x). The function is the same; only the rounding
+differs (W' is rounded to the model dtype once). The window steps and the training forwards keep the
+unmerged weights, so the replay stays exact (sample.merge_lora, rollout.py).
+
+The merged copies live as long as the MergedLora object (qwen_image, r64 on the 12 targets: 13.6 B weights,
+27 GB in bf16); the caller drops it after the rollout, before training allocates its activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class MergedLora:
+    """Built from the current LoRA weights; `applied()` swaps the merged weights in for a block of code."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        from peft.tuners.lora import LoraLayer
+        from torch.distributed.tensor import DTensor
+
+        self.swaps: list[tuple[torch.nn.Module, torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
+        with torch.no_grad():
+            for module in transformer.modules():
+                if not isinstance(module, LoraLayer):
+                    continue
+                names = [n for n in module.active_adapters if n in module.lora_A]
+                base = module.get_base_layer()
+                weight = base.weight
+                if isinstance(weight, DTensor):
+                    raise ValueError("sample.merge_lora needs unsharded weights (one process, or "
+                                     "parallel.strategy=replicate); under FSDP set sample.merge_lora=false")
+                if module.merged or module.disable_adapters or not names:  # its forward is the base layer already
+                    continue
+                delta = sum(module.get_delta_weight(n).float() for n in names)  # fp32: B @ A * scaling
+                merged = torch.nn.Parameter((weight.float() + delta).to(weight.dtype), requires_grad=False)
+                self.swaps.append((module, base, weight, merged))
+
+    @contextlib.contextmanager
+    def applied(self):
+        """Within: no grad, each adapted layer runs its merged base weight only (the adapter is skipped)."""
+        disabled = [module._disable_adapters for module, *_ in self.swaps]
+        for module, base, _, merged in self.swaps:
+            base._parameters["weight"] = merged
+            module._disable_adapters = True  # the flag peft's forward reads; no requires_grad changes (cheap)
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for (module, base, original, _), was in zip(self.swaps, disabled):
+                base._parameters["weight"] = original
+                module._disable_adapters = was

@@ -1,0 +1,99 @@
+"""sample.merge_lora: the rollout's off-window steps on merged weights (families/merged_lora.py)."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from imagerl.components import load_adapter, resolve_family_defaults
+from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+from imagerl.distributed.parallel import World
+from imagerl.families.merged_lora import MergedLora
+from imagerl.rollout import generate
+from imagerl.sampling import sde_window
+from imagerl.algorithms.flow_grpo import _step_log_prob
+
+
+def _adapter(cfg):
+    adapter = load_adapter(cfg, World(0, 1, torch.device("cpu")))
+    resolve_family_defaults(cfg, adapter)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained-looking LoRA: B != 0 (gaussian init leaves B = 0, the merge a no-op)
+        for name, p in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    return adapter
+
+
+def _inputs(adapter):
+    emb = adapter.encode_prompts(["a red circle", "two blue squares"])
+    cond = adapter.conditioning(emb, adapter.encode_prompts([" "]) * 2, 4.0)
+    torch.manual_seed(1)
+    x = torch.randn(2, adapter.image_seq_len(64, 64), adapter.transformer.config.in_channels)
+    return x, torch.tensor([500.0, 500.0]), cond
+
+
+def test_merged_weights_give_the_lora_model_and_are_swapped_back(tiny_checkpoint, tmp_path):
+    adapter = _adapter(tiny_config(tiny_checkpoint, tmp_path))
+    x, t, cond = _inputs(adapter)
+    with torch.no_grad():
+        with_lora = adapter.velocity(x, t, cond, 64, 64)
+        with adapter.lora_disabled():
+            base = adapter.velocity(x, t, cond, 64, 64)
+    before = {n: p for n, p in adapter.transformer.named_parameters()}
+    merged = MergedLora(adapter.transformer)
+    assert len(merged.swaps) > 0
+    with merged.applied():
+        assert not torch.is_grad_enabled()
+        folded = adapter.velocity(x, t, cond, 64, 64)
+    # the same function as base + LoRA (fp32: rounding only), and not the base model
+    torch.testing.assert_close(folded, with_lora, rtol=1e-4, atol=1e-5)
+    assert (with_lora - base).abs().max() > 100 * (folded - with_lora).abs().max()
+    # the original parameter objects are back, the adapters on, gradients reach the LoRA as before
+    assert all(p is before[n] for n, p in adapter.transformer.named_parameters())
+    adapter.velocity(x, t, cond, 64, 64).square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in adapter.transformer.named_parameters()
+               if "lora_B" in n and "transformer_blocks.0." in n)
+
+
+def test_merge_keeps_a_disabled_adapter_disabled(tiny_checkpoint, tmp_path):
+    adapter = _adapter(tiny_config(tiny_checkpoint, tmp_path))
+    x, t, cond = _inputs(adapter)
+    with torch.no_grad(), adapter.lora_disabled():
+        base = adapter.velocity(x, t, cond, 64, 64)
+        merged = MergedLora(adapter.transformer)  # adapters disabled: nothing to merge
+        with merged.applied():
+            assert torch.equal(adapter.velocity(x, t, cond, 64, 64), base)
+        assert torch.equal(adapter.velocity(x, t, cond, 64, 64), base)
+
+
+def test_rollout_with_merged_off_window_steps_replays_exactly(tiny_checkpoint, tmp_path):
+    """The window steps keep the unmerged weights: the training forwards reproduce their log-probs bit for bit;
+    the trajectory is the unmerged rollout's up to rounding."""
+    rollouts = {}
+    for merge in (False, True):
+        cfg = tiny_config(tiny_checkpoint, tmp_path, f"sample.merge_lora={merge}", "train.num_optimizer_steps=1")
+        adapter = _adapter(cfg)
+        groups = GroupSampler(load_prompt_set(bundled_prompt_file()), 2, cfg.run.seed).groups_for(0)
+        window = sde_window(2, (0, 5), 3, seed=cfg.run.seed, rollout_step=0)
+        rollout = generate(adapter, groups, cfg, 0, window)
+        adapter.transformer.train()
+        for batch in rollout.batches():
+            cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
+            for j in range(2):
+                out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
+                assert torch.equal(out.log_prob, rollout.log_probs_BS[batch, j])
+        rollouts[merge] = rollout
+    plain, merged = rollouts[False], rollouts[True]
+    assert not torch.equal(merged.latents_BSNC, plain.latents_BSNC)  # steps 0-2 did run on other weights
+    torch.testing.assert_close(merged.latents_BSNC, plain.latents_BSNC, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(merged.images_B3HW, plain.images_B3HW, rtol=1e-3, atol=1e-3)
+
+
+def test_merge_lora_is_refused_under_fsdp(tiny_checkpoint, tmp_path):
+    from imagerl.config import validate
+
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.merge_lora=true", "train.num_optimizer_steps=1")
+    with pytest.raises(ValueError, match="sample.merge_lora needs unsharded weights"):
+        validate(cfg, world_size=2)
+    cfg.parallel.strategy = "replicate"
+    validate(cfg, world_size=2)
