@@ -151,7 +151,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))
         log_probs.append(staged(torch.stack(lps, 1)))
-        images.append(adapter.decode(x, h, w).cpu())
+        # decoded per training batch: the VAE's full-resolution activations of a large rollout batch set the peak
+        images.append(torch.cat([adapter.decode(x[sub], h, w).cpu() for sub in subs]))
         if on_batch is not None:
             on_batch(images[-1], prompts_B[batch], metadata_B[batch])
         if progress is not None:
