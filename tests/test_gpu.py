@@ -33,7 +33,10 @@ def test_bf16_rollout_replays_exactly_on_gpu(tiny_checkpoint, tmp_path):
                                        ["parallel.compile=true", "model.gradient_checkpointing=true",
                                         "model.checkpoint_every=2"],
                                        ["train.timestep_staging=true"],
-                                       ["model.gradient_checkpointing=true", "model.checkpoint_every=2"]])
+                                       ["model.gradient_checkpointing=true", "model.checkpoint_every=2"],
+                                       ["sample.batch_size=4", "train.batch_size=2", "sample.merge_lora=true"],
+                                       ["parallel.compile=true", "sample.batch_size=4", "train.batch_size=2",
+                                        "sample.merge_lora=true", "model.gradient_checkpointing=true"]])
 def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, overrides):
     from imagerl.train import train
 
