@@ -59,9 +59,14 @@ class Rollout:
 
     def conditioning(self, adapter, batch: slice, guidance_scale: float):
         """The adapter's conditioning object for one replayed batch (training: never the KV cache)."""
-        n = len(self.prompts_B[batch])
-        return adapter.conditioning(self.text_B[batch], [self.negative] * n if self.negative is not None else None,
-                                    guidance_scale)
+        return batch_conditioning(adapter, self.text_B[batch], self.negative, guidance_scale)
+
+
+def batch_conditioning(adapter, text_rows: list[torch.Tensor], negative: torch.Tensor | None, guidance_scale: float,
+                       kv_cache: bool = False):
+    """The adapter's conditioning for these images' text rows, each paired with the negative prompt under CFG."""
+    negatives = [negative] * len(text_rows) if negative is not None else None
+    return adapter.conditioning(text_rows, negatives, guidance_scale, kv_cache=kv_cache)
 
 
 @contextlib.contextmanager
@@ -120,14 +125,13 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     for start in range(0, len(prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)
         n = len(prompts_B[batch])
-        cond = adapter.conditioning(text_B[batch], [negative] * n if negative is not None else None, s.guidance_scale,
-                                    kv_cache=s.kv_cache)
+        cond = batch_conditioning(adapter, text_B[batch], negative, s.guidance_scale, kv_cache=s.kv_cache)
         # the SDE-window steps run in the training batches (train.batch_size), each with its own conditioning, as
         # the update replays them: a forward's rounding depends on its batch (row count, text padding)
         subs = [slice(a, min(a + micro, n)) for a in range(0, n, micro)]
         window_conds = [cond] if len(subs) == 1 else [
-            adapter.conditioning(text_B[batch][sub], [negative] * (sub.stop - sub.start) if negative is not None
-                                 else None, s.guidance_scale, kv_cache=s.kv_cache) for sub in subs]
+            batch_conditioning(adapter, text_B[batch][sub], negative, s.guidance_scale, kv_cache=s.kv_cache)
+            for sub in subs]
         x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
         ins, outs, lps = [], [], []
         # (under grad only the velocity, detached, could build a graph: the step arithmetic needs no grad inputs)
@@ -182,7 +186,7 @@ def ode_sample(adapter, prompts: list[str], *, num_steps: int, guidance_scale: f
     for start in range(0, len(prompts), batch_size):
         batch = slice(start, start + batch_size)
         n = len(prompts[batch])
-        cond = adapter.conditioning(text[batch], [negative] * n if negative is not None else None, guidance_scale)
+        cond = batch_conditioning(adapter, text[batch], negative, guidance_scale)
         x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
         for i in range(num_steps):
             v = adapter.velocity(x, timesteps[i].expand(n), cond, height, width)
