@@ -33,12 +33,14 @@ GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.heig
             "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_start=3", "train.num_optimizer_steps=2",
             "model.lora_rank=64", "model.lora_alpha=128", "model.lora_init=gaussian", "reward.weights={pickscore: 1.0}"]
 DRY_GEOMETRY = ["sample.group_size=4", "sample.height=64", "sample.width=64", "sample.num_steps=6",
-                "sample.batch_size=2", "model.lora_rank=4", "model.lora_alpha=8", "parallel.compile=false"]
-# the qwen_image recipe is regional compile at batch 8 (what won on the H200, benchmarks/RESULTS.md)
+                "sample.batch_size=2", "train.batch_size=0", "model.lora_rank=4", "model.lora_alpha=8", "parallel.compile=false"]
+# the qwen_image recipe: regional compile, rollout batch 16 merged off the window, training batch 8 (what
+# won on the H200, benchmarks/RESULTS.md run I); the eager row is run E's (it alone takes ~100 s of a 10-minute run)
 DEFAULT_VARIANTS = {
-    "qwen_image": {"imagerl (recipe: compile, batch 8)": [],
+    "qwen_image": {"imagerl (recipe: compile, rollout 16 merged, train 8)": [],
                    "imagerl, checkpoint every 2nd block": ["model.checkpoint_every=2"],
-                   "imagerl eager, batch 4": ["parallel.compile=false", "sample.batch_size=4"]},
+                   "imagerl, train batch 4, no checkpointing": ["train.batch_size=4",
+                                                                "model.gradient_checkpointing=false"]},
     "qwen_image21": {"imagerl": [], "imagerl b8": ["sample.batch_size=8"]},  # compile refused for 2.1 (see its family)
 }
 BASELINE_BATCH_SIZE = 4  # flow_grpo's Qwen-Image sample / train batch per GPU
