@@ -50,6 +50,9 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         out["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
         out["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
+        # since the process started: times the caching allocator found no cached block, freed its cache and
+        # retried cudaMalloc (a synchronising stall; a growing count means fragmentation or memory pressure)
+        out["memory/alloc_retries"] = float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
         torch.cuda.reset_peak_memory_stats(device)
     return out
 

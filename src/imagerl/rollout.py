@@ -96,8 +96,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
              initial_noise_BNC: torch.Tensor | None = None, progress=None, on_batch=None) -> Rollout:
     """Sample K images for each prompt group of this rank; record the window's trajectory.
 
-    on_batch(images_B3HW, prompts, metadata) is called as each batch is decoded (e.g. to start scoring
-    it while the next batch is generated)."""
+    on_batch(images_B3HW, prompts, metadata) is called as each training batch (train.batch_size) is decoded,
+    in sample order (e.g. to start scoring it while the next is decoded or generated)."""
     s, seed, k = cfg.sample, cfg.run.seed, cfg.sample.group_size
     prompts_B = [p for p in groups.prompts_G for _ in range(k)]
     metadata_B = [m for m in groups.metadata_G for _ in range(k)]
@@ -155,10 +155,14 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))
         log_probs.append(staged(torch.stack(lps, 1)))
-        # decoded per training batch: the VAE's full-resolution activations of a large rollout batch set the peak
-        images.append(torch.cat([adapter.decode(x[sub], h, w).cpu() for sub in subs]))
-        if on_batch is not None:
-            on_batch(images[-1], prompts_B[batch], metadata_B[batch])
+        # decoded per training batch: the VAE's full-resolution activations of a large rollout batch set the peak;
+        # each is scored as soon as it is decoded, so only the last one's scoring is left after the rollout
+        decoded = []
+        for sub in subs:
+            decoded.append(adapter.decode(x[sub], h, w).cpu())
+            if on_batch is not None:
+                on_batch(decoded[-1], prompts_B[batch][sub], metadata_B[batch][sub])
+        images.append(torch.cat(decoded))
         if progress is not None:
             progress.update(n)
 

@@ -86,10 +86,18 @@ def _peak_gib(device: torch.device) -> float:
     return memory_metrics(device).get("memory/peak_allocated_gib", float("nan"))
 
 
-def _iteration_record(phases: dict[str, float], peak_gib: float, lp_diff: float, text_tokens: int) -> dict:
-    """One measured iteration: phase seconds (PhaseTimer's time/<phase>_s keys), peak memory, replay difference."""
+def _alloc_retries(device: torch.device) -> int:
+    """The caching allocator's cudaMalloc retries so far (each one a cache flush and a stall); 0 on a CPU."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
+def _iteration_record(phases: dict[str, float], peak_gib: float, lp_diff: float, text_tokens: int,
+                      alloc_retries: int = 0) -> dict:
+    """One measured iteration: phase seconds (PhaseTimer's time/<phase>_s keys), peak memory, replay difference,
+    the allocator's retries during it."""
     return dict(rollout_s=phases["time/rollout_s"], reward_s=phases["time/reward_s"], train_s=phases["time/train_s"],
-                total_s=phases["time/total_s"], peak_gib=peak_gib, lp_diff=lp_diff, text_tokens=text_tokens)
+                total_s=phases["time/total_s"], peak_gib=peak_gib, lp_diff=lp_diff, text_tokens=text_tokens,
+                alloc_retries=alloc_retries)
 
 
 def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: list[int], lora_rank: int, targets,
@@ -225,6 +233,7 @@ class Bench:
             _peak_gib(self.device)  # resets the peak
             try:
                 for it in range(self.warmup + self.iterations):
+                    retries = _alloc_retries(self.device)
                     groups = PromptGroups([self.prompts[it % len(self.prompts)]], [{}], [0])
                     window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
                                         cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=it)
@@ -242,7 +251,8 @@ class Bench:
                             [rollout.negative.shape[0]] if rollout.negative is not None and cfg.sample.guidance_scale > 1
                             else [])
                         text_tokens.append(lengths)
-                        times.append(_iteration_record(phases, peak, stats.log_prob_mean_abs_diff, lengths[0]))
+                        times.append(_iteration_record(phases, peak, stats.log_prob_mean_abs_diff, lengths[0],
+                                                       _alloc_retries(self.device) - retries))
             finally:
                 scoring.close()
             samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
@@ -278,13 +288,15 @@ class Bench:
         times, text_tokens = [], []
         _peak_gib(self.device)  # resets the peak
         for it in range(self.warmup + self.iterations):
+            retries = _alloc_retries(self.device)
             r = baseline.iteration(self.prompts[it % len(self.prompts)], generator_seed=it)  # times synchronised
             peak = _peak_gib(self.device)
             if it >= self.warmup:
                 text_tokens.append(r["text_tokens"])  # the padded row length: the prompt's (longer than " ")
                 times.append(_iteration_record({f"time/{k}": r[k] for k in ("rollout_s", "reward_s", "train_s",
                                                                              "total_s")},
-                                               peak, r["log_prob_mean_abs_diff"], r["text_tokens"]))
+                                               peak, r["log_prob_mean_abs_diff"], r["text_tokens"],
+                                               _alloc_retries(self.device) - retries))
         baseline.remove()
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
