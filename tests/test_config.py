@@ -58,8 +58,9 @@ def test_quickstart_batch_plan_is_what_the_yaml_implies():
 
 def test_qwen_image_recipe_batch_plan_matches_flow_grpo():
     plan = validate(load_config("qwen_image_jpeg"), world_size=1)
-    assert plan == BatchPlan(samples_per_rollout=512, prompts_per_rank=32, samples_per_rank=512, batches_per_rank=64,
-                             batches_per_optimizer_step=32, samples_per_optimizer_step=256)
+    # 512 samples in training batches of 4: 128 batches, 2 optimizer steps of 256 samples (flow_grpo's 32-GPU recipe)
+    assert plan == BatchPlan(samples_per_rollout=512, prompts_per_rank=32, samples_per_rank=512, batches_per_rank=128,
+                             batches_per_optimizer_step=64, samples_per_optimizer_step=256)
 
 
 def test_valid_two_rank_configuration_and_its_plan():

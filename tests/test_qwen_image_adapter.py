@@ -1,5 +1,7 @@
 """The qwen_image adapter against diffusers' QwenImagePipeline on the tiny checkpoint."""
 
+import warnings
+
 import pytest
 import torch
 from diffusers import QwenImagePipeline
@@ -40,6 +42,18 @@ def test_prompt_embeddings_equal_the_pipeline(adapter, pipe):
         assert torch.equal(emb, theirs[i, :n])
     # a second call is served from the cache (same tensors, no text-encoder pass)
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(adapter.encode_prompts(PROMPTS), ours))
+
+
+def test_truncation_to_max_sequence_length_is_the_pipelines_and_warns_once(adapter, pipe):
+    full = adapter.encode_prompts(PROMPTS[:1])[0]
+    cap = full.shape[0] - 2
+    with pytest.warns(UserWarning, match=f"truncated to sample.max_sequence_length={cap}"):
+        (short,) = adapter.encode_prompts(PROMPTS[:1], max_sequence_length=cap)
+    theirs, _ = pipe.encode_prompt(PROMPTS[:1], device="cpu", max_sequence_length=cap)
+    assert torch.equal(short, theirs[0]) and torch.equal(short, full[:cap])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same prompt again: no second warning
+        adapter.encode_prompts(PROMPTS[:1], max_sequence_length=cap)
 
 
 def test_pack_unpack_match_diffusers():

@@ -14,6 +14,7 @@ Everything here mirrors diffusers 0.42.1 `QwenImagePipeline` (reference/diffuser
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,6 +86,7 @@ class QwenImageFamily(FamilyAdapter):
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)  # 8
         self.latent_channels = self.transformer.config.in_channels // 4  # 16 (tiny: 4)
         self.prompt_cache = PromptCache(prompt_cache_size)
+        self.truncation_warned: set[str] = set()  # prompts already warned about (once each)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device, dtype: torch.dtype, prompt_cache_size: int = 4096):
@@ -151,6 +153,14 @@ class QwenImageFamily(FamilyAdapter):
     def encode_prompts(self, prompts: list[str], max_sequence_length: int = 512) -> list[torch.Tensor]:
         """One (L_i, D) embedding per prompt (valid tokens only), each unique prompt encoded once."""
         embeds = self.prompt_cache.get_many(prompts, self._encode_uncached)
+        for prompt, e in zip(prompts, embeds):
+            if e.shape[0] > max_sequence_length and prompt not in self.truncation_warned:
+                self.truncation_warned.add(prompt)
+                warnings.warn(f"prompt of {e.shape[0]} text tokens truncated to sample.max_sequence_length="
+                              f"{max_sequence_length} (as the pipeline does): {prompt[:80]!r}. Raise "
+                              "sample.max_sequence_length to keep it whole (where a recipe caps it to bound the "
+                              "training's activation memory, also set model.gradient_checkpointing=true)",
+                              stacklevel=2)
         return [e[:max_sequence_length] for e in embeds]
 
     def conditioning(self, cond: list[torch.Tensor], uncond: list[torch.Tensor] | None, guidance_scale: float,

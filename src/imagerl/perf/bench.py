@@ -34,13 +34,17 @@ GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.heig
             "model.lora_rank=64", "model.lora_alpha=128", "model.lora_init=gaussian", "reward.weights={pickscore: 1.0}"]
 DRY_GEOMETRY = ["sample.group_size=4", "sample.height=64", "sample.width=64", "sample.num_steps=6",
                 "sample.batch_size=2", "train.batch_size=0", "model.lora_rank=4", "model.lora_alpha=8", "parallel.compile=false"]
-# the qwen_image recipe: regional compile, rollout batch 16 merged off the window, training batch 8 (what
-# won on the H200, benchmarks/RESULTS.md run I); the eager row is run E's (it alone takes ~100 s of a 10-minute run)
+# the qwen_image recipe: regional compile, rollout batch 16 merged off the window, training batch 4 without
+# checkpointing, text capped at 128 tokens (what won on the H200, benchmarks/RESULTS.md runs J-K); the eager row
+# is run E's (it alone takes ~100 s of a 10-minute run). The memory row pads every forward's text to the cap (a
+# long negative prompt), the recipe's worst case.
+TEXT_CAP_NEGATIVE_PROMPT = " ".join(["word"] * 140)  # 140 tokens, truncated to the recipe's 128
 DEFAULT_VARIANTS = {
-    "qwen_image": {"imagerl (recipe: compile, rollout 16 merged, train 8)": [],
-                   "imagerl, checkpoint every 2nd block": ["model.checkpoint_every=2"],
-                   "imagerl, train batch 4, no checkpointing": ["train.batch_size=4",
-                                                                "model.gradient_checkpointing=false"]},
+    "qwen_image": {"imagerl (recipe: compile, rollout 16 merged, train 4, no checkpointing)": [],
+                   "imagerl, train 8 with checkpointing (any text length)": [
+                       "train.batch_size=8", "model.gradient_checkpointing=true", "sample.max_sequence_length=512"],
+                   "imagerl (recipe), every row at the 128-token text cap": [
+                       f"sample.negative_prompt={TEXT_CAP_NEGATIVE_PROMPT}"]},
     "qwen_image21": {"imagerl": [], "imagerl b8": ["sample.batch_size=8"]},  # compile refused for 2.1 (see its family)
 }
 BASELINE_BATCH_SIZE = 4  # flow_grpo's Qwen-Image sample / train batch per GPU
