@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import gc
 import json
-import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from imagerl.perf.bench_rows import Row, format_table, iteration_record, make_row
 
 FAMILIES = ("qwen_image", "qwen_image21")
 RECIPES = {"qwen_image": "qwen_image_jpeg", "qwen_image21": "qwen_image21_jpeg"}
@@ -50,32 +51,6 @@ DEFAULT_VARIANTS = {
 BASELINE_BATCH_SIZE = 4  # flow_grpo's Qwen-Image sample / train batch per GPU
 
 
-@dataclass
-class Row:
-    name: str
-    rollout_images_per_s: float
-    train_pairs_per_s: float
-    images_per_s: float  # end to end: whole iterations
-    rollout_mfu: float
-    train_mfu: float  # recompute counted as work when gradient checkpointing is on
-    peak_gib: float
-    log_prob_mean_abs_diff: float  # first optimizer step of each iteration: the weights are the rollout's
-    rollout_s: float
-    reward_wait_s: float
-    train_s: float
-    total_s: float
-    text_tokens: int
-    overrides: list
-    per_iteration: list  # the measured iterations' phase times (a compile stall shows up here)
-    note: str = ""
-
-    @classmethod
-    def out_of_memory(cls, name: str, overrides: list) -> "Row":
-        nan = float("nan")
-        return cls(name, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0, list(overrides), [],
-                   note="out of memory")
-
-
 def _prompts() -> list[str]:
     from imagerl.data import bundled_prompt_file, load_prompts
 
@@ -95,15 +70,6 @@ def _alloc_retries(device: torch.device) -> int:
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
-def _iteration_record(phases: dict[str, float], peak_gib: float, lp_diff: float, text_tokens: int,
-                      alloc_retries: int = 0) -> dict:
-    """One measured iteration: phase seconds (PhaseTimer's time/<phase>_s keys), peak memory, replay difference,
-    the allocator's retries during it."""
-    return dict(rollout_s=phases["time/rollout_s"], reward_s=phases["time/reward_s"], train_s=phases["time/train_s"],
-                total_s=phases["time/total_s"], peak_gib=peak_gib, lp_diff=lp_diff, text_tokens=text_tokens,
-                alloc_retries=alloc_retries)
-
-
 def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: list[int], lora_rank: int, targets,
                    cached: bool = False) -> int:
     """Analytic FLOPs of one guided velocity for one sample: one forward per row (cond, and uncond with CFG);
@@ -117,18 +83,6 @@ def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: lis
     dims = flops.QwenImage21Dims.from_config(transformer.config)
     return sum(flops.qwen_image21_forward_flops(dims, image_tokens, length, lora_rank, tuple(targets), cached=cached)
                for length in text_tokens)
-
-
-def _row(name, overrides, times: list[dict], flops_rollout: int, flops_train: int, ceiling: float, images: int,
-         pairs: int, text_tokens: int) -> Row:
-    mean = {k: statistics.fmean(t[k] for t in times) for k in times[0]}
-    return Row(name=name, rollout_images_per_s=images / mean["rollout_s"], train_pairs_per_s=pairs / mean["train_s"],
-               images_per_s=images / mean["total_s"],
-               rollout_mfu=flops_rollout / mean["rollout_s"] / ceiling if flops_rollout else float("nan"),
-               train_mfu=flops_train / mean["train_s"] / ceiling if flops_train else float("nan"),
-               peak_gib=max(t["peak_gib"] for t in times), log_prob_mean_abs_diff=max(t["lp_diff"] for t in times),
-               rollout_s=mean["rollout_s"], reward_wait_s=mean["reward_s"], train_s=mean["train_s"],
-               total_s=mean["total_s"], text_tokens=text_tokens, overrides=list(overrides), per_iteration=times)
 
 
 def variant_config(family: str, base_overrides: list[str], overrides: list[str]):
@@ -255,13 +209,13 @@ class Bench:
                             [rollout.negative.shape[0]] if rollout.negative is not None and cfg.sample.guidance_scale > 1
                             else [])
                         text_tokens.append(lengths)
-                        times.append(_iteration_record(phases, peak, stats.log_prob_mean_abs_diff, lengths[0],
-                                                       _alloc_retries(self.device) - retries))
+                        times.append(iteration_record(phases, peak, stats.log_prob_mean_abs_diff, lengths[0],
+                                                      _alloc_retries(self.device) - retries))
             finally:
                 scoring.close()
             samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
-            return _row(name, overrides, times, *self._mean_flops(cfg, adapter, text_tokens), ceiling, samples,
-                        samples * cfg.sample.num_sde_steps, text_tokens[0][0])
+            return make_row(name, overrides, times, *self._mean_flops(cfg, adapter, text_tokens), ceiling, samples,
+                            samples * cfg.sample.num_sde_steps, text_tokens[0][0])
         finally:
             self.restore(adapter)
 
@@ -297,10 +251,9 @@ class Bench:
             peak = _peak_gib(self.device)
             if it >= self.warmup:
                 text_tokens.append(r["text_tokens"])  # the padded row length: the prompt's (longer than " ")
-                times.append(_iteration_record({f"time/{k}": r[k] for k in ("rollout_s", "reward_s", "train_s",
-                                                                             "total_s")},
-                                               peak, r["log_prob_mean_abs_diff"], r["text_tokens"],
-                                               _alloc_retries(self.device) - retries))
+                phases = {f"time/{k}": r[k] for k in ("rollout_s", "reward_s", "train_s", "total_s")}
+                times.append(iteration_record(phases, peak, r["log_prob_mean_abs_diff"], r["text_tokens"],
+                                              _alloc_retries(self.device) - retries))
         baseline.remove()
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
@@ -308,8 +261,8 @@ class Bench:
         negative = adapter.encode_prompts([s.negative_prompt])[0].shape[0]
         flops = self._mean_flops(self.config([f"model.gradient_checkpointing={gradient_checkpointing}"]), adapter,
                                  [[length, negative] for length in text_tokens])
-        return _row("baseline (diffusers+peft)", [], times, *flops, ceiling, s.group_size,
-                    s.group_size * s.num_sde_steps, text_tokens[0])
+        return make_row("baseline (diffusers+peft)", [], times, *flops, ceiling, s.group_size,
+                        s.group_size * s.num_sde_steps, text_tokens[0])
 
     def vae_bf16_effect(self, num_images: int = 16) -> dict:
         """Decode the same latents (N(0, 1), seeded) with the VAE in fp32 and in bf16 and score both images with
@@ -347,21 +300,6 @@ class Bench:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def format_table(rows: list[Row], baseline: Row | None) -> str:
-    head = ("variant", "rollout img/s", "train pairs/s", "e2e img/s", "x baseline", "MFU roll", "MFU train",
-            "peak GiB", "lp diff")
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for r in rows:
-        ratio = r.images_per_s / baseline.images_per_s if baseline else float("nan")
-        if r.note:
-            lines.append(" | ".join([r.name, r.note] + [""] * (len(head) - 2)))
-            continue
-        lines.append(" | ".join([r.name, f"{r.rollout_images_per_s:.3f}", f"{r.train_pairs_per_s:.3f}",
-                                 f"{r.images_per_s:.3f}", f"{ratio:.2f}", f"{r.rollout_mfu:.1%}", f"{r.train_mfu:.1%}",
-                                 f"{r.peak_gib:.1f}", f"{r.log_prob_mean_abs_diff:.2g}"]))
-    return "\n".join(lines)
 
 
 def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None = None, *, baseline: bool = True,
