@@ -7,7 +7,8 @@ import time
 
 import torch
 from torch._dynamo.utils import counters
-from imagerl.config import load_config, validate
+from imagerl.config import load_config
+from imagerl.validation import validate
 from imagerl.components import load_adapter, resolve_family_defaults, make_optimizer
 from imagerl.distributed.parallel import World
 from imagerl.distributed.fsdp import apply_parallelism

@@ -5,10 +5,12 @@ import dataclasses
 import pytest
 import yaml
 
-from imagerl.config import BatchPlan, Config, available_recipes, load_config, recipe_dir, save_config, validate
+from imagerl.config import Config, available_recipes, load_config, recipe_dir, save_config
 
 
 # Pins the sizes the validation cases below rely on, so that retuning the quickstart recipe cannot break them.
+
+from imagerl.validation import BatchPlan, validate
 BASE = ["sample.prompts_per_rollout=4", "sample.group_size=4", "sample.batch_size=4", "train.num_optimizer_steps=2",
         "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_range=[0,5]", "sample.sde_window_start=3"]
 

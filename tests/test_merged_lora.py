@@ -90,7 +90,7 @@ def test_rollout_with_merged_off_window_steps_replays_exactly(tiny_checkpoint, t
 
 
 def test_merge_lora_is_refused_under_fsdp(tiny_checkpoint, tmp_path):
-    from imagerl.config import validate
+    from imagerl.validation import validate
 
     cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.merge_lora=true", "train.num_optimizer_steps=1")
     with pytest.raises(ValueError, match="sample.merge_lora needs unsharded weights"):

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from imagerl.config import Config, validate, validate_parallel
+from imagerl.config import Config
+
+from imagerl.validation import validate, validate_parallel
 from imagerl.data import GroupSampler, PromptSet
 
 PROMPTS = PromptSet([f"prompt {i}" for i in range(7)], [{} for _ in range(7)])

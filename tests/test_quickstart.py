@@ -8,7 +8,8 @@ import torch
 
 from conftest import tiny_config
 from imagerl.components import resolve_model_path
-from imagerl.config import load_config, validate
+from imagerl.config import load_config
+from imagerl.validation import validate
 from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set, load_train_test
 from imagerl.families.qwen_image import QwenImageFamily
 from imagerl.rewards.shapes import ShapesReward

@@ -180,7 +180,8 @@ def test_text_padded_to_a_multiple_gives_the_same_velocity(adapter):
 def test_text_length_multiple_resolves_from_compile(tiny_checkpoint):
     """0 (the default) pads to a multiple of 8 under parallel.compile and not at all in eager; negatives are refused."""
     from imagerl.components import prepare_adapter
-    from imagerl.config import load_config, validate
+    from imagerl.config import load_config
+    from imagerl.validation import validate
 
     with pytest.raises(ValueError, match="text_length_multiple"):
         validate(load_config("quickstart", ["model.text_length_multiple=-1"]))

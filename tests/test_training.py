@@ -94,7 +94,7 @@ def test_each_training_batch_is_handed_to_scoring_as_soon_as_it_is_decoded(tiny_
 
 
 def test_training_batch_must_divide_the_rollout_batch_and_sets_the_plan(tiny_checkpoint, tmp_path):
-    from imagerl.config import validate
+    from imagerl.validation import validate
 
     cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.batch_size=4", "train.batch_size=1")
     assert validate(cfg).batches_per_rank == 4 and validate(cfg).batches_per_optimizer_step == 2

@@ -1,4 +1,4 @@
-"""Typed configuration: dataclasses, YAML recipes, dotted CLI overrides, up-front validation.
+"""Typed configuration: dataclasses, YAML recipes, dotted CLI overrides (validation.py checks a Config up front).
 
 A recipe is a YAML file with the sections below (any key left out keeps its default). Overrides on
 the command line use dotted keys: `imagerl train --recipe quickstart train.lr=1e-4 sample.group_size=8`.
@@ -9,7 +9,6 @@ types are errors that name the key and suggest the closest valid one.
 from __future__ import annotations
 
 import dataclasses
-import math
 import difflib
 import re
 import typing
@@ -19,7 +18,6 @@ from pathlib import Path
 
 import yaml
 
-from imagerl.sampling.window import validate_window
 
 
 @dataclass
@@ -345,131 +343,3 @@ _DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 def save_config(cfg: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-# ---------------------------------------------------------------- validation and batch arithmetic
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """Derived sizes per rollout. Samples are group-major: prompt g's K samples are consecutive."""
-
-    samples_per_rollout: int  # P x K over all ranks
-    prompts_per_rank: int  # P / W complete groups per rank
-    samples_per_rank: int  # P x K / W
-    batches_per_rank: int  # training batches: samples_per_rank / training_batch_size
-    batches_per_optimizer_step: int  # batches_per_rank / num_optimizer_steps
-    samples_per_optimizer_step: int  # over all ranks
-
-
-def training_batch_size(cfg: Config) -> int:
-    """Samples per training forward (train.batch_size, 0 meaning sample.batch_size)."""
-    return cfg.train.batch_size or cfg.sample.batch_size
-
-
-def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
-    """Check every setting that can be checked before loading a model; ValueError says how to fix it."""
-    s, t = cfg.sample, cfg.train
-    positive = {
-        "sample.height": s.height, "sample.width": s.width, "sample.num_steps": s.num_steps,
-        "sample.prompts_per_rollout": s.prompts_per_rollout, "sample.group_size": s.group_size,
-        "sample.batch_size": s.batch_size, "train.num_rollouts": t.num_rollouts,
-        "train.num_optimizer_steps": t.num_optimizer_steps, "model.lora_rank": cfg.model.lora_rank,
-        "sample.max_sequence_length": s.max_sequence_length, "run.checkpoint_every": cfg.run.checkpoint_every,
-        "model.checkpoint_every": cfg.model.checkpoint_every,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-    if not 1 <= world_size:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if t.batch_size < 0 or (t.batch_size and s.batch_size % t.batch_size):
-        raise ValueError(f"train.batch_size={t.batch_size} must divide sample.batch_size={s.batch_size} (the rollout's "
-                         "SDE-window steps run in training-sized sub-batches), or be 0 for sample.batch_size")
-    if cfg.model.text_length_multiple < 0:
-        raise ValueError(f"model.text_length_multiple must be >= 0 (0: automatic), got {cfg.model.text_length_multiple}")
-    if cfg.model.vae_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"model.vae_dtype must be 'float32' or 'bfloat16', got {cfg.model.vae_dtype!r}")
-    if s.sde_type not in ("sde", "cps"):
-        raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
-    if s.noise_level <= 0:
-        raise ValueError(f"sample.noise_level must be > 0 for training (got {s.noise_level}); 0 is the ODE")
-    if len(s.sde_window_range) != 2:
-        raise ValueError(f"sample.sde_window_range must be [lo, hi], got {s.sde_window_range}")
-    validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
-    for key, value in {"train.lr": t.lr, "train.clip_range": t.clip_range, "train.beta": t.beta,
-                       "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm,
-                       "train.adv_clip_max": t.adv_clip_max, "sample.noise_level": s.noise_level,
-                       "sample.guidance_scale": 0.0 if s.guidance_scale is None else s.guidance_scale,
-                       "train.adam_eps": t.adam_eps}.items():
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{key} must be a finite number >= 0, got {value}")
-    if cfg.model.lora_init not in ("gaussian", "default"):
-        raise ValueError(f"model.lora_init must be 'gaussian' or 'default', got {cfg.model.lora_init!r}")
-    if not cfg.reward.weights:
-        raise ValueError("reward.weights is empty: name at least one reward, e.g. reward.weights={jpeg_compressibility: 1.0}")
-    if cfg.reward.on_error not in ("error", "skip"):
-        raise ValueError(f"reward.on_error must be 'error' or 'skip', got {cfg.reward.on_error!r}")
-    if cfg.reward.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"reward.dtype must be float32 or bfloat16, got {cfg.reward.dtype!r}")
-    if cfg.reward.batch_size < 1:
-        raise ValueError(f"reward.batch_size must be >= 1, got {cfg.reward.batch_size}")
-    e = cfg.eval
-    if e.interval < 0 or e.num_steps < 1 or e.batch_size < 1 or e.max_prompts < 0:
-        raise ValueError("eval.interval and eval.max_prompts must be >= 0, eval.num_steps and eval.batch_size >= 1")
-    if (e.interval or e.before_training) and not cfg.data.test_prompts:
-        raise ValueError("evaluation is on (eval.interval / eval.before_training) but data.test_prompts is empty; "
-                         "give a prompt file or data.test_prompts=split")
-    if not 0 < cfg.data.test_fraction < 1:
-        raise ValueError(f"data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}")
-    if cfg.data.test_samples_per_prompt < 1:
-        raise ValueError(f"data.test_samples_per_prompt must be >= 1 (images per held-out prompt), got "
-                         f"{cfg.data.test_samples_per_prompt}")
-    if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
-
-    if validate_parallel(cfg, world_size) == "fsdp" and s.merge_lora:
-        raise ValueError("sample.merge_lora needs unsharded weights: set sample.merge_lora=false under FSDP, or "
-                         "parallel.strategy=replicate")
-
-    samples = s.prompts_per_rollout * s.group_size
-    if s.prompts_per_rollout % world_size:
-        raise ValueError(
-            f"sample.prompts_per_rollout={s.prompts_per_rollout} must be divisible by the {world_size} ranks so that "
-            f"each rank holds complete groups of sample.group_size={s.group_size}"
-        )
-    per_rank = samples // world_size
-    if per_rank % s.batch_size:
-        raise ValueError(
-            f"each rank generates prompts_per_rollout/ranks x group_size = {s.prompts_per_rollout // world_size} x "
-            f"{s.group_size} = {per_rank} samples, not a multiple of sample.batch_size={s.batch_size}"
-        )
-    micro = training_batch_size(cfg)
-    batches = per_rank // micro
-    if batches % t.num_optimizer_steps:
-        raise ValueError(
-            f"{batches} training batches per rank (of {micro} samples) cannot be split evenly into "
-            f"train.num_optimizer_steps={t.num_optimizer_steps}; change one of sample.prompts_per_rollout, "
-            "sample.group_size, sample.batch_size / train.batch_size, train.num_optimizer_steps"
-        )
-    return BatchPlan(samples, s.prompts_per_rollout // world_size, per_rank, batches,
-                     batches // t.num_optimizer_steps, samples // t.num_optimizer_steps)
-
-
-def validate_parallel(cfg: Config, world_size: int) -> str:
-    """Check the parallel.* section; return the effective strategy: "fsdp", "replicate" or "none" (one process)."""
-    p = cfg.parallel
-    choices = {"parallel.strategy": (p.strategy, ("auto", "fsdp", "replicate")),
-               "parallel.reduce_dtype": (p.reduce_dtype, ("float32", "bfloat16")),
-               "parallel.text_encoder": (p.text_encoder, ("auto", "shard", "replicate"))}
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
-    if p.text_encoder_shard_min_params < 0:
-        raise ValueError(f"parallel.text_encoder_shard_min_params must be >= 0, got {p.text_encoder_shard_min_params}")
-    if world_size == 1:
-        return "none"
-    strategy = "fsdp" if p.strategy == "auto" else p.strategy
-    if p.text_encoder == "shard" and strategy != "fsdp":
-        raise ValueError("parallel.text_encoder=shard needs parallel.strategy=fsdp (or auto with several ranks)")
-    return strategy

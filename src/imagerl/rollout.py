@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from imagerl.config import Config, training_batch_size
+from imagerl.config import Config
+
+from imagerl.validation import training_batch_size
 from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
 from imagerl.families.merged_lora import MergedLora

@@ -10,7 +10,8 @@ from imagerl.algorithms.advantages import rollout_advantages
 from imagerl.algorithms.flow_grpo import flow_grpo_update
 from imagerl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
-from imagerl.config import Config, save_config, validate
+from imagerl.config import Config, save_config
+from imagerl.validation import validate
 from imagerl.data import GroupSampler, load_train_test
 from imagerl.distributed.fsdp import apply_parallelism, set_deterministic
 from imagerl.distributed.parallel import init_world, resolve_device

@@ -26,7 +26,9 @@ import random
 import numpy as np
 import torch
 
-from imagerl.config import Config, validate_parallel
+from imagerl.config import Config
+
+from imagerl.validation import validate_parallel
 from imagerl.distributed.parallel import World
 
 

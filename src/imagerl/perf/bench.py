@@ -87,7 +87,8 @@ def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: lis
 
 def variant_config(family: str, base_overrides: list[str], overrides: list[str]):
     """The family's recipe in the bench geometry with a variant's overrides, validated."""
-    from imagerl.config import load_config, validate
+    from imagerl.config import load_config
+    from imagerl.validation import validate
 
     cfg = load_config(RECIPES[family], base_overrides + list(overrides))
     validate(cfg)
