@@ -36,7 +36,11 @@ def test_bf16_rollout_replays_exactly_on_gpu(tiny_checkpoint, tmp_path):
                                        ["model.gradient_checkpointing=true", "model.checkpoint_every=2"],
                                        ["sample.batch_size=4", "train.batch_size=2", "sample.merge_lora=true"],
                                        ["parallel.compile=true", "sample.batch_size=4", "train.batch_size=2",
-                                        "sample.merge_lora=true", "model.gradient_checkpointing=true"]])
+                                        "sample.merge_lora=true", "model.gradient_checkpointing=true"],
+                                       # the qwen_image recipe's shape: no checkpointing, the text capped
+                                       ["parallel.compile=true", "sample.batch_size=4", "train.batch_size=2",
+                                        "sample.merge_lora=true", "model.gradient_checkpointing=false",
+                                        "sample.max_sequence_length=128"]])
 def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, overrides):
     from imagerl.train import train
 
