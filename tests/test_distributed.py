@@ -64,6 +64,7 @@ def _rank_main(rank: int, world_size: int, port: int, checkpoint, run_dir, cache
 
     train(tiny_config(checkpoint, run_dir, *COMMON, *overrides), resume=resume)
     if dist.is_initialized():
+        dist.barrier()  # rank 0 may still be writing: tear the group down together
         dist.destroy_process_group()
 
 
@@ -131,3 +132,26 @@ def test_one_two_and_four_ranks_agree_and_resume_across_world_sizes(tiny_checkpo
     for resumed in (two_to_one, one_to_two):
         _assert_same_records(_records(runs[1])[1:], _records(resumed), exact_first=False)
         assert _max_diff(ref, _lora(resumed, 2)) < 1e-6
+
+
+def _exit_rank_main(rank: int, world_size: int, port: int, out) -> None:
+    """torchrun's environment, init_world, one collective, then a return without destroying the group."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from imagerl.distributed.parallel import init_world
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    # atexit runs last-registered first: this hook, registered before init_world's, sees the state after it
+    atexit.register(lambda: (out / f"rank{rank}.txt").write_text(str(dist.is_initialized())))
+    world = init_world("cpu")
+    total = world.all_reduce_mean_(torch.tensor([float(rank)]))
+    assert world.size == world_size and total.item() == 0.5
+
+
+def test_a_group_that_init_world_created_is_destroyed_at_exit(tmp_path):
+    # a group left to the interpreter's teardown can abort a gloo rank (pytorch/pytorch#190489)
+    mp.start_processes(_exit_rank_main, args=(2, _free_port(), tmp_path), nprocs=2, join=True, start_method="spawn")
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["False", "False"]

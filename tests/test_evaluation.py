@@ -271,6 +271,7 @@ def _rank_main(rank, world_size, port, checkpoint, run_dir, out):
              progress=False)
     torch.save({"total": result.total_N, "valid": result.valid_N, "metrics": result.metrics, "grid": result.grid_images_B3HW,
                 "scored": sum(len(x) for x in scorer.images)}, out / f"rank{rank}.pt")
+    dist.barrier()  # rank 0 is still writing the grid: tear the group down together
     dist.destroy_process_group()
 
 

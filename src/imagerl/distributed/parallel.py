@@ -8,6 +8,7 @@ parallel.strategy=fsdp also the sharded weights (distributed/fsdp.py applies the
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -86,4 +87,13 @@ def init_world(device_spec: str = "auto") -> World:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(_destroy_process_group)
     return World(dist.get_rank(), dist.get_world_size(), device)
+
+
+def _destroy_process_group() -> None:
+    """At exit, while the interpreter is still whole: a process group left to the interpreter's teardown
+    can abort the rank (gloo's worker threads still hold work; "terminate called without an active
+    exception", pytorch/pytorch#190489) and NCCL warns that it was not destroyed."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
