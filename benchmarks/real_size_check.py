@@ -22,11 +22,11 @@ import torch
 from imagerl.algorithms.flow_grpo import flow_grpo_update
 from imagerl.components import make_optimizer, resolve_family_defaults
 from imagerl.config import load_config
-from imagerl.validation import validate
 from imagerl.data import PromptGroups
 from imagerl.distributed.parallel import World
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window
+from imagerl.validation import validate
 
 # Dry run of this script's code path on a CPU: DRY=1 builds 1-layer transformers at 64 px.
 DRY = os.environ.get("DRY") == "1"

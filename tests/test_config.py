@@ -6,11 +6,9 @@ import pytest
 import yaml
 
 from imagerl.config import Config, available_recipes, load_config, recipe_dir, save_config
-
+from imagerl.validation import BatchPlan, validate
 
 # Pins the sizes the validation cases below rely on, so that retuning the quickstart recipe cannot break them.
-
-from imagerl.validation import BatchPlan, validate
 BASE = ["sample.prompts_per_rollout=4", "sample.group_size=4", "sample.batch_size=4", "train.num_optimizer_steps=2",
         "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_range=[0,5]", "sample.sde_window_start=3"]
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from imagerl.config import Config
-
-from imagerl.validation import validate, validate_parallel
 from imagerl.data import GroupSampler, PromptSet
+from imagerl.validation import validate, validate_parallel
 
 PROMPTS = PromptSet([f"prompt {i}" for i in range(7)], [{} for _ in range(7)])
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import yaml
 
 
-
 @dataclass
 class ModelConfig:
     path: str = "tiny"

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from imagerl.config import Config
-
-from imagerl.validation import training_batch_size
 from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
 from imagerl.families.merged_lora import MergedLora
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
+from imagerl.validation import training_batch_size
 
 
 @dataclass

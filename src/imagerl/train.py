@@ -11,7 +11,6 @@ from imagerl.algorithms.flow_grpo import flow_grpo_update
 from imagerl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
-from imagerl.validation import validate
 from imagerl.data import GroupSampler, load_train_test
 from imagerl.distributed.fsdp import apply_parallelism, set_deterministic
 from imagerl.distributed.parallel import init_world, resolve_device
@@ -22,6 +21,7 @@ from imagerl.rewards.registry import check_reward_config
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window
 from imagerl.scoring import AsyncScorer, ScoredRollout
+from imagerl.validation import validate
 
 
 def train(cfg: Config, resume: str | None = None) -> Path:

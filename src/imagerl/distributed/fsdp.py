@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from imagerl.config import Config
-
-from imagerl.validation import validate_parallel
 from imagerl.distributed.parallel import World
+from imagerl.validation import validate_parallel
 
 
 def apply_parallelism(adapter, cfg: Config, world: World) -> str:

@@ -34,7 +34,7 @@ class Row:
 
 
 def iteration_record(phases: dict[str, float], peak_gib: float, lp_diff: float, text_tokens: int,
-                      alloc_retries: int = 0) -> dict:
+                     alloc_retries: int = 0) -> dict:
     """One measured iteration: phase seconds (PhaseTimer's time/<phase>_s keys), peak memory, replay difference,
     the allocator's retries during it."""
     return dict(rollout_s=phases["time/rollout_s"], reward_s=phases["time/reward_s"], train_s=phases["time/train_s"],
@@ -43,7 +43,7 @@ def iteration_record(phases: dict[str, float], peak_gib: float, lp_diff: float, 
 
 
 def make_row(name, overrides, times: list[dict], flops_rollout: int, flops_train: int, ceiling: float, images: int,
-         pairs: int, text_tokens: int) -> Row:
+             pairs: int, text_tokens: int) -> Row:
     mean = {k: statistics.fmean(t[k] for t in times) for k in times[0]}
     return Row(name=name, rollout_images_per_s=images / mean["rollout_s"], train_pairs_per_s=pairs / mean["train_s"],
                images_per_s=images / mean["total_s"],
