@@ -288,8 +288,7 @@ class Bench:
 
     def restore(self, adapter) -> None:
         """Return the shared transformer to its plain state for the next variant."""
-        for block in adapter.transformer_blocks():
-            block._compiled_call_impl = None  # nn.Module.compile's wrapper
+        adapter.uncompile()
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
         self.transformer.delete_adapters("default")
