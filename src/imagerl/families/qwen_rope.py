@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+_ORIGINAL = "_imagerl_original_apply_rotary_emb_qwen"
 _HOOK = "_imagerl_real_rope_hook"
-_diffusers_rotation = None  # diffusers' apply_rotary_emb_qwen, kept when install_real_rope replaces it
 
 
 def rotate_pairs(x_BSHD: torch.Tensor, freqs_SD2: torch.Tensor) -> torch.Tensor:
@@ -37,13 +37,19 @@ def rotate_pairs(x_BSHD: torch.Tensor, freqs_SD2: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
-    """Stands in for diffusers' function: real (cos, sin) tables rotate in real arithmetic when compiled.
-    (No import or attribute lookup on a module here: Dynamo would break the block's graph at it.)"""
+    """Stands in for diffusers' function: real (cos, sin) tables rotate in real arithmetic when compiled."""
+    original = getattr(_module(), _ORIGINAL)
     if use_real or torch.is_complex(freqs_cis):
-        return _diffusers_rotation(x, freqs_cis, use_real, use_real_unbind_dim)
+        return original(x, freqs_cis, use_real, use_real_unbind_dim)
     if torch.compiler.is_compiling():
         return rotate_pairs(x, freqs_cis)
-    return _diffusers_rotation(x, torch.view_as_complex(freqs_cis), use_real, use_real_unbind_dim)
+    return original(x, torch.view_as_complex(freqs_cis), use_real, use_real_unbind_dim)
+
+
+def _module():
+    import diffusers.models.transformers.transformer_qwenimage as module
+
+    return module
 
 
 def _real_tables(pos_embed, args, output):
@@ -52,11 +58,9 @@ def _real_tables(pos_embed, args, output):
 
 def install_real_rope(transformer: torch.nn.Module) -> None:
     """The transformer's blocks get real RoPE tables, and diffusers' rotation handles them (idempotent)."""
-    global _diffusers_rotation
-    import diffusers.models.transformers.transformer_qwenimage as module
-
-    if _diffusers_rotation is None:
-        _diffusers_rotation = module.apply_rotary_emb_qwen
+    module = _module()
+    if not hasattr(module, _ORIGINAL):
+        setattr(module, _ORIGINAL, module.apply_rotary_emb_qwen)
         module.apply_rotary_emb_qwen = _apply_rotary_emb_qwen
     if getattr(transformer, _HOOK, None) is None:
         setattr(transformer, _HOOK, transformer.pos_embed.register_forward_hook(_real_tables))
