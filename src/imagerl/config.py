@@ -212,9 +212,6 @@ class ParallelConfig:
     text_encoder_shard_min_params: int = 1_000_000_000
     compile: bool = False
     """Regional torch.compile of each transformer block (after activation checkpointing, before sharding)."""
-    compile_real_rope: bool = True
-    """With compile (qwen_image): the blocks rotate by RoPE in real float32 arithmetic, which Inductor fuses,
-    instead of diffusers' complex product, which it runs as unfused fallbacks (families/qwen_rope.py)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, cudnn deterministic, math SDPA."""
 

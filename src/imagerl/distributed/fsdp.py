@@ -44,7 +44,6 @@ def apply_parallelism(adapter, cfg: Config, world: World) -> str:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False
-        adapter.prepare_compile(real_rope=p.compile_real_rope)
         for block in adapter.transformer_blocks():
             block.compile(dynamic=True)
     world.strategy = strategy

@@ -198,15 +198,6 @@ class FamilyAdapter:
         """The repeated blocks of the transformer: the units of activation checkpointing, compile and sharding."""
         return list(self.transformer.transformer_blocks)
 
-    def prepare_compile(self, real_rope: bool = True) -> None:
-        """Called before parallel.compile compiles the blocks (distributed/fsdp.py): a family replaces what
-        Inductor cannot fuse (real_rope: parallel.compile_real_rope). Nothing to do by default."""
-
-    def uncompile(self) -> None:
-        """Undo parallel.compile: eager blocks again (imagerl bench reuses one transformer across variants)."""
-        for block in self.transformer_blocks():
-            block._compiled_call_impl = None  # nn.Module.compile's wrapper
-
     def enable_activation_checkpointing(self, every: int = 1) -> None:
         """diffusers' gradient checkpointing (non-reentrant torch.utils.checkpoint, diffusers' default) of every
         `every`-th transformer block, starting with the first; the other blocks keep their activations for the

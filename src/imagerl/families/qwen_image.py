@@ -21,7 +21,6 @@ import torch
 
 from imagerl.families.base import (Conditioning, FamilyAdapter, PromptCache, check_components, group_rows_by_length,
                                    loading, read_json, read_model_index)
-from imagerl.families.qwen_rope import install_real_rope, remove_real_rope
 from imagerl.families.registry import register_family
 
 PROMPT_TEMPLATE = (
@@ -109,16 +108,6 @@ class QwenImageFamily(FamilyAdapter):
         with loading(path, "tokenizer"):
             tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
         return cls(transformer, vae, text_encoder, tokenizer, scheduler_config, device, dtype, prompt_cache_size)
-
-    def prepare_compile(self, real_rope: bool = True) -> None:
-        """real_rope: compiled blocks rotate with real RoPE tables, as Inductor cannot fuse diffusers' complex
-        product (families/qwen_rope.py; eager forwards are unchanged)."""
-        if real_rope:
-            install_real_rope(self.transformer)
-
-    def uncompile(self) -> None:
-        super().uncompile()
-        remove_real_rope(self.transformer)
 
     # --- geometry ------------------------------------------------------------------------------
 
