@@ -30,6 +30,8 @@ def test_dry_bench_runs_baseline_and_imagerl_on_policy(dry_bench):
         assert r.rollout_s + r.train_s <= r.total_s + 1e-6
         assert r.log_prob_mean_abs_diff == 0.0  # frozen weights at the first optimizer step: exact replay
         assert r.rollout_mfu > 0 and r.train_mfu > 0 and r.text_tokens > 0
+        # garbage-collection pauses within each measured iteration, the baseline's too
+        assert all(0 <= t["gc_pause_s"] < t["total_s"] and t["gc_full_collections"] >= 0 for t in r.per_iteration)
     record = json.loads((out / "bench_qwen_image.json").read_text())
     assert [r["name"] for r in record["rows"]] == [r.name for r in rows]
     assert record["matmul_ceiling_flops"] > 0 and record["vae_bf16"]["pixel_abs_diff_max"] > 0

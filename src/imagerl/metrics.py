@@ -7,6 +7,7 @@ Every metric name is documented in docs/metrics.md. Only rank 0 writes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import resource
@@ -17,21 +18,54 @@ from pathlib import Path
 import torch
 
 
+class _GCPauses:
+    """Seconds the interpreter spent in garbage collection, and full (generation 2) collections, since the process
+    installed it (gc.callbacks). A full collection walks every tracked object (the models' modules, Dynamo's guards
+    and graphs) while the GPU drains its queue: a pause in the middle of a phase is lost GPU time."""
+
+    def __init__(self):
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._start
+        self.full += info.get("generation") == 2
+
+
+_gc_pauses: _GCPauses | None = None
+
+
+def gc_pauses() -> tuple[float, int]:
+    """(seconds in garbage collection, full collections) so far; the meter starts on the first call."""
+    global _gc_pauses
+    if _gc_pauses is None:
+        _gc_pauses = _GCPauses()
+    return _gc_pauses.seconds, _gc_pauses.full
+
+
 class PhaseTimer:
-    """`with timer("rollout"):` accumulates wall seconds per phase (CUDA-synchronised)."""
+    """`with timer("rollout"):` accumulates wall seconds per phase (CUDA-synchronised), and the garbage
+    collection pauses inside the phases (perf/gc_pause_s, perf/gc_full_collections)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.seconds = device, {}
+        self.device, self.seconds, self.gc_seconds, self.gc_full = device, {}, 0.0, 0
+        gc_pauses()
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         self._sync()
-        start = time.perf_counter()
+        start, (gc_start, full_start) = time.perf_counter(), gc_pauses()
         try:
             yield
         finally:
             self._sync()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            gc_seconds, full = gc_pauses()
+            self.gc_seconds += gc_seconds - gc_start
+            self.gc_full += full - full_start
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -40,7 +74,8 @@ class PhaseTimer:
     def pop_metrics(self) -> dict[str, float]:
         out = {f"time/{k}_s": v for k, v in self.seconds.items()}
         out["time/total_s"] = sum(self.seconds.values())
-        self.seconds = {}
+        out["perf/gc_pause_s"], out["perf/gc_full_collections"] = self.gc_seconds, float(self.gc_full)
+        self.seconds, self.gc_seconds, self.gc_full = {}, 0.0, 0
         return out
 
 

@@ -225,6 +225,7 @@ class Bench:
         from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
         from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+        from imagerl.metrics import gc_pauses
         from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
 
         if self.family != "qwen_image":
@@ -247,12 +248,13 @@ class Bench:
         times, text_tokens = [], []
         _peak_gib(self.device)  # resets the peak
         for it in range(self.warmup + self.iterations):
-            retries = _alloc_retries(self.device)
+            retries, (gc_s, gc_full) = _alloc_retries(self.device), gc_pauses()
             r = baseline.iteration(self.prompts[it % len(self.prompts)], generator_seed=it)  # times synchronised
-            peak = _peak_gib(self.device)
+            peak, (gc_s_end, gc_full_end) = _peak_gib(self.device), gc_pauses()
             if it >= self.warmup:
                 text_tokens.append(r["text_tokens"])  # the padded row length: the prompt's (longer than " ")
                 phases = {f"time/{k}": r[k] for k in ("rollout_s", "reward_s", "train_s", "total_s")}
+                phases.update({"perf/gc_pause_s": gc_s_end - gc_s, "perf/gc_full_collections": gc_full_end - gc_full})
                 times.append(iteration_record(phases, peak, r["log_prob_mean_abs_diff"], r["text_tokens"],
                                               _alloc_retries(self.device) - retries))
         baseline.remove()

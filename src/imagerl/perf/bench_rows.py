@@ -35,11 +35,12 @@ class Row:
 
 def iteration_record(phases: dict[str, float], peak_gib: float, lp_diff: float, text_tokens: int,
                      alloc_retries: int = 0) -> dict:
-    """One measured iteration: phase seconds (PhaseTimer's time/<phase>_s keys), peak memory, replay difference,
-    the allocator's retries during it."""
+    """One measured iteration: phase seconds (PhaseTimer's time/<phase>_s keys) and the garbage-collection pauses
+    within them (perf/gc_*), peak memory, replay difference, the allocator's retries during it."""
     return dict(rollout_s=phases["time/rollout_s"], reward_s=phases["time/reward_s"], train_s=phases["time/train_s"],
                 total_s=phases["time/total_s"], peak_gib=peak_gib, lp_diff=lp_diff, text_tokens=text_tokens,
-                alloc_retries=alloc_retries)
+                alloc_retries=alloc_retries, gc_pause_s=phases["perf/gc_pause_s"],
+                gc_full_collections=phases["perf/gc_full_collections"])
 
 
 def make_row(name, overrides, times: list[dict], flops_rollout: int, flops_train: int, ceiling: float, images: int,
