@@ -32,6 +32,10 @@ def test_dry_bench_runs_baseline_and_imagerl_on_policy(dry_bench):
         assert r.rollout_mfu > 0 and r.train_mfu > 0 and r.text_tokens > 0
         # garbage-collection pauses within each measured iteration, the baseline's too
         assert all(0 <= t["gc_pause_s"] < t["total_s"] and t["gc_full_collections"] >= 0 for t in r.per_iteration)
+    for r in rows[1:]:  # imagerl rows, warmup 0: the first iteration's collection before gc.freeze() is in its total
+        first = r.per_iteration[0]
+        assert first["total_s"] > first["rollout_s"] + first["reward_s"] + first["train_s"]
+        assert first["gc_full_collections"] >= 1
     record = json.loads((out / "bench_qwen_image.json").read_text())
     assert [r["name"] for r in record["rows"]] == [r.name for r in rows]
     assert record["matmul_ceiling_flops"] > 0 and record["vae_bf16"]["pixel_abs_diff_max"] > 0

@@ -1,5 +1,6 @@
 """The training loop on the tiny checkpoint: exact on-policy replay, PPO signs, metrics, resume."""
 
+import gc
 import json
 
 import pytest
@@ -117,8 +118,11 @@ def test_three_rollout_run_writes_every_metric_and_artifact(tiny_checkpoint, tmp
     cfg = tiny_config(tiny_checkpoint, tmp_path, "train.num_rollouts=3", "run.tensorboard=true",
                       "run.image_grid_every=2", "run.checkpoint_every=2", "train.beta=0.01")
     train(cfg)
+    assert gc.get_freeze_count() == 0  # run.gc_freeze (default on) froze after the first rollout and unfroze on exit
     records = _records(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["time/gc_freeze_s"] > 0 and all("time/gc_freeze_s" not in r for r in records[1:])
+    assert records[0]["perf/gc_full_collections"] >= 1  # the freeze's collection, counted in its own phase
     for r in records:
         missing = [k for k in REQUIRED_METRICS if k not in r]
         assert not missing, missing

@@ -192,6 +192,9 @@ class RunConfig:
     wandb: bool = False
     """Also log to Weights & Biases (needs `pip install wandb`)."""
     wandb_project: str = "imagerl"
+    gc_freeze: bool = True
+    """After the first rollout, one garbage collection, then gc.freeze(): later full collections skip the models'
+    and compiled code's objects (~1 s pauses that idle the GPU otherwise; gc_freeze.py)."""
 
 
 @dataclass

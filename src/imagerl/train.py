@@ -14,6 +14,7 @@ from imagerl.config import Config, save_config
 from imagerl.data import GroupSampler, load_train_test
 from imagerl.distributed.fsdp import apply_parallelism, set_deterministic
 from imagerl.distributed.parallel import init_world, resolve_device
+from imagerl.gc_freeze import GCFreeze
 from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
                              require_wandb, save_image_grid)
 from imagerl.rewards import RewardError, Scorer
@@ -59,39 +60,43 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     bar = progress_bar(cfg.train.num_rollouts, "rollouts", world.is_main, unit="rollout")
     bar.update(start)
 
-    for step in range(start, cfg.train.num_rollouts):
-        groups = sampler.groups_for(step)
-        window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
-                            cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=step)
-        with timer("rollout"), progress_bar(plan.samples_per_rank, "  sample", world.is_main, "img", False) as pb:
-            rollout = generate(adapter, groups, cfg, step, window, progress=pb, on_batch=scoring.submit)
-        with timer("reward"):
-            scored = scoring.collect()
-            rewards = scored.rewards
-            advantages, reward_metrics = rollout_advantages(rewards.total_B, rewards.valid_B, rollout.group_ids_B,
-                                                            world, cfg.train.global_std)
-            _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, adapter,
-                           optimizer, world)
-        with timer("train"), progress_bar(plan.batches_per_rank * cfg.sample.num_sde_steps, "  train",
-                                          world.is_main, "fwd", False) as pb:
-            stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world, progress=pb)
+    with GCFreeze(cfg.run.gc_freeze) as gc_freeze:  # one collection + gc.freeze() after the first rollout
+        for step in range(start, cfg.train.num_rollouts):
+            groups = sampler.groups_for(step)
+            window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
+                                cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=step)
+            with timer("rollout"), progress_bar(plan.samples_per_rank, "  sample", world.is_main, "img", False) as pb:
+                rollout = generate(adapter, groups, cfg, step, window, progress=pb, on_batch=scoring.submit)
+            with timer("reward"):
+                scored = scoring.collect()
+                rewards = scored.rewards
+                advantages, reward_metrics = rollout_advantages(rewards.total_B, rewards.valid_B, rollout.group_ids_B,
+                                                                world, cfg.train.global_std)
+                _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, adapter,
+                               optimizer, world)
+            with timer("train"), progress_bar(plan.batches_per_rank * cfg.sample.num_sde_steps, "  train",
+                                              world.is_main, "fwd", False) as pb:
+                stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world, progress=pb)
 
-        done = step + 1
-        metrics = {**reward_metrics, **_component_means(rewards, world), "rollout/sde_window_start": window.start,
-                   "time/reward_compute_s": scored.compute_s, **stats.as_metrics()}
-        metrics.update(maybe_eval(done))
-        metrics.update({**timer.pop_metrics(), **memory_metrics(world.device)})
-        iteration_s = metrics["time/total_s"] - metrics.get("time/eval_s", 0.0)
-        metrics["perf/images_per_s"] = plan.samples_per_rank * world.size / iteration_s
-        logger.log(done, metrics, echo=bar.write)
-        bar.set_postfix(reward=f"{metrics['rollout/reward/raw_mean']:.4g}")
-        bar.update(1)
-        if world.is_main and cfg.run.image_grid_every and (done % cfg.run.image_grid_every == 0 or done == 1):
-            save_image_grid(rollout.images_B3HW[:16], rewards.total_B[:16], run_dir / "images" / f"rollout_{done:06d}.png",
-                            captions=rollout.prompts_B[:16])
-            plot_reward_curve(run_dir)
-        if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts:
-            save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints, world)
+            done = step + 1
+            metrics = {**reward_metrics, **_component_means(rewards, world), "rollout/sde_window_start": window.start,
+                       "time/reward_compute_s": scored.compute_s, **stats.as_metrics()}
+            metrics.update(maybe_eval(done))
+            if gc_freeze.pending:
+                with timer("gc_freeze"):
+                    gc_freeze.after_iteration()
+            metrics.update({**timer.pop_metrics(), **memory_metrics(world.device)})
+            iteration_s = metrics["time/total_s"] - metrics.get("time/eval_s", 0.0)
+            metrics["perf/images_per_s"] = plan.samples_per_rank * world.size / iteration_s
+            logger.log(done, metrics, echo=bar.write)
+            bar.set_postfix(reward=f"{metrics['rollout/reward/raw_mean']:.4g}")
+            bar.update(1)
+            if world.is_main and cfg.run.image_grid_every and (done % cfg.run.image_grid_every == 0 or done == 1):
+                save_image_grid(rollout.images_B3HW[:16], rewards.total_B[:16],
+                                run_dir / "images" / f"rollout_{done:06d}.png", captions=rollout.prompts_B[:16])
+                plot_reward_curve(run_dir)
+            if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts:
+                save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints, world)
 
     bar.close()
     scoring.close()

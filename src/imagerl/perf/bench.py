@@ -175,6 +175,7 @@ class Bench:
         from imagerl.data import PromptGroups
         from imagerl.distributed.fsdp import apply_parallelism
         from imagerl.distributed.parallel import World
+        from imagerl.gc_freeze import GCFreeze
         from imagerl.metrics import PhaseTimer
         from imagerl.rollout import generate
         from imagerl.sampling import sde_window
@@ -190,6 +191,7 @@ class Bench:
             scoring = AsyncScorer(self.scorer, enabled=cfg.reward.async_scoring)
             timer, times, text_tokens = PhaseTimer(self.device), [], []
             _peak_gib(self.device)  # resets the peak
+            gc_freeze = GCFreeze(cfg.run.gc_freeze)
             try:
                 for it in range(self.warmup + self.iterations):
                     retries = _alloc_retries(self.device)
@@ -204,6 +206,9 @@ class Bench:
                                                            rollout.group_ids_B, world, cfg.train.global_std)
                     with timer("train"):
                         stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world)
+                    if gc_freeze.pending:  # as train.py: once, after the first iteration (a warm-up one if any)
+                        with timer("gc_freeze"):
+                            gc_freeze.after_iteration()
                     phases, peak = timer.pop_metrics(), _peak_gib(self.device)
                     if it >= self.warmup:
                         lengths = [rollout.text_B[0].shape[0]] + (
@@ -214,6 +219,7 @@ class Bench:
                                                       _alloc_retries(self.device) - retries))
             finally:
                 scoring.close()
+                gc_freeze.close()
             samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
             return make_row(name, overrides, times, *self._mean_flops(cfg, adapter, text_tokens), ceiling, samples,
                             samples * cfg.sample.num_sde_steps, text_tokens[0][0])
