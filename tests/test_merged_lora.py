@@ -97,3 +97,31 @@ def test_merge_lora_is_refused_under_fsdp(tiny_checkpoint, tmp_path):
         validate(cfg, world_size=2)
     cfg.parallel.strategy = "replicate"
     validate(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_weight_is_w_plus_scaled_lora_product_rounded_once(dtype):
+    """Each merged weight against float64: W + scaling * B~ @ A~, with B~, A~ the LoRA factors in the base
+    weight's dtype (what the bf16 autocast forward multiplies), rounded to that dtype once."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.GELU(), torch.nn.Linear(160, 64))
+    model = inject_adapter_in_model(LoraConfig(r=16, lora_alpha=32, target_modules=["0", "2"]), model)
+    model.to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = torch.randn(p.shape) * 0.05  # fp32 master weights, B != 0
+    merged = MergedLora(model)
+    assert len(merged.swaps) == 2
+    for module, base, original, weight in merged.swaps:
+        a, b = (m["default"].weight.to(dtype).double() for m in (module.lora_A, module.lora_B))
+        reference = (original.double() + 2.0 * b @ a).to(dtype)  # scaling = alpha / r = 2
+        assert weight.dtype == dtype and weight.shape == original.shape
+        if dtype == torch.float32:  # fp32 GEMM accumulation: within an ulp or so
+            torch.testing.assert_close(weight, reference, rtol=2e-6, atol=1e-7)
+        else:  # fp32 accumulation then one rounding: the float64 value's rounding, up to ties
+            ulp = reference.abs().float() * 2**-7
+            assert ((weight.float() - reference.float()).abs() <= ulp).all()
+            assert (weight == reference).float().mean() > 0.99

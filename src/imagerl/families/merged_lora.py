@@ -3,8 +3,9 @@
 A rollout's steps outside the SDE window are deterministic ODE steps: they are never replayed and give no
 log-prob, so they may run on W' = W + scaling * B @ A (one GEMM per adapted layer, the LoRA matmuls,
 dtype casts and adds gone) instead of W x + scaling * B(A x). The function is the same; only the rounding
-differs (W' is rounded to the model dtype once). The window steps and the training forwards keep the
-unmerged weights, so the replay stays exact (sample.merge_lora, rollout.py).
+differs (W' is rounded to the model dtype once, from the factors in the model dtype that the forward multiplies).
+The window steps and the training forwards keep the unmerged weights, so the replay stays exact
+(sample.merge_lora, rollout.py).
 
 The merged copies live as long as the MergedLora object (qwen_image, r64 on the 12 targets: 13.6 B weights,
 27 GB in bf16); the caller drops it after the rollout, before training allocates its activations.
@@ -15,6 +16,20 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+
+def _merged(module, names: list[str], weight: torch.Tensor) -> torch.Tensor:
+    """W + sum_n scaling_n * B_n @ A_n in W's dtype. The factors are cast to W's dtype first, as the bf16 autocast
+    forward casts them (adapter.autocast), and the GEMM adds the product to W in fp32 and rounds once (cuBLAS'
+    fp32 compute type for bf16 addmm). One bf16 GEMM with K = r that reads W and writes W' (4 bytes moved per
+    weight) instead of an fp32 product (no TF32), a scaled copy, an fp32 W and their sum (about 44 bytes per
+    weight); qwen_image r64 has 13.6 B adapted weights."""
+    assert not module.fan_in_fan_out and not getattr(module, "lora_variant", {}), "plain LoRA on nn.Linear only"
+    out = weight
+    for n in names:
+        a, b = module.lora_A[n].weight, module.lora_B[n].weight
+        out = torch.addmm(out, b.to(weight.dtype), a.to(weight.dtype), alpha=module.scaling[n])
+    return out
 
 
 class MergedLora:
@@ -37,9 +52,8 @@ class MergedLora:
                                      "parallel.strategy=replicate); under FSDP set sample.merge_lora=false")
                 if module.merged or module.disable_adapters or not names:  # its forward is the base layer already
                     continue
-                delta = sum(module.get_delta_weight(n).float() for n in names)  # fp32: B @ A * scaling
-                merged = torch.nn.Parameter((weight.float() + delta).to(weight.dtype), requires_grad=False)
-                self.swaps.append((module, base, weight, merged))
+                self.swaps.append((module, base, weight, torch.nn.Parameter(_merged(module, names, weight),
+                                                                            requires_grad=False)))
 
     @contextlib.contextmanager
     def applied(self):
