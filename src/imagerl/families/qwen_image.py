@@ -10,6 +10,8 @@ Everything here mirrors diffusers 0.42.1 `QwenImagePipeline` (reference/diffuser
             Departure: cond and uncond run as one batched forward (diffusers runs two); the batch is
             padded to the longer text with a key mask, which matches unpadded within float rounding.
   decode    unpack, x / (1 / std) + mean, VAE decode (float32), frame 0, (x / 2 + 0.5).clamp(0, 1).
+            Departure: the VAE's causal 3D convolutions of the one frame run as the 2D convolutions they
+            amount to (vae_single_frame.py: a third of the multiply-adds; the same sums up to their order).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from imagerl.families.base import (Conditioning, FamilyAdapter, PromptCache, check_components, group_rows_by_length,
                                    loading, read_json, read_model_index)
 from imagerl.families.registry import register_family
+from imagerl.families.vae_single_frame import single_frame_convs
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -219,7 +222,8 @@ class QwenImageFamily(FamilyAdapter):
         height, width = images_B3HW.shape[-2:]
         self.latent_grid(height, width)  # checks the size
         x = (images_B3HW.to(self.device, self.vae.dtype) * 2 - 1).unsqueeze(2)
-        z = self.vae.encode(x).latent_dist.mode()
+        with single_frame_convs(self.vae):  # one frame: the causal 3D convolutions as 2D ones (same math)
+            z = self.vae.encode(x).latent_dist.mode()
         cfg = self.vae.config
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
         std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
@@ -233,7 +237,8 @@ class QwenImageFamily(FamilyAdapter):
         cfg = self.vae.config
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        image = self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        with single_frame_convs(self.vae):  # one frame: the causal 3D convolutions as 2D ones (same math)
+            image = self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
         return (image / 2 + 0.5).clamp(0, 1).float()
 
 
