@@ -14,7 +14,7 @@ allocator's retries.
 
 Prints one line per training phase (micro-steps in GPU ms, mean SM MHz and W), one per rollout (GPU ms by kind),
 the merged-build comparison and the bench rows; writes DIR/probe.json. Run N (2026-12-04) used its first version,
-benchmarks/training_spread_probe.py at commit 5c1cf8e (training micro-steps and nvidia-smi only).
+benchmarks/training_spread_probe.py at commit d65c233 (training micro-steps and nvidia-smi only).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Marks:
 
 
 def _previous_merge(module, names, weight):
-    """The merged weight as built before 2026-12-04 (commit 5c1cf8e's merged_lora.py), for the side-by-side time."""
+    """The merged weight as built before 2026-12-04 (commit 62ace0d's merged_lora.py), for the side-by-side time."""
     delta = sum(module.get_delta_weight(n).float() for n in names)
     return (weight.float() + delta).to(weight.dtype)
 

@@ -86,3 +86,23 @@ def test_dry_bench_qwen_image21_counts_flops_with_and_without_kv_cache(tmp_path)
     assert [r.name for r in rows] == ["imagerl", "kv cache"]  # no baseline: it is Qwen-Image 1.0's loop
     for r in rows:
         assert r.rollout_mfu > 0 and r.train_mfu > 0 and r.log_prob_mean_abs_diff == 0.0
+
+
+def test_phase_probe_dry_run_times_each_kind_of_rollout_call(tmp_path):
+    """benchmarks/phase_probe.py (the H200 runs N-P of benchmarks/RESULTS.md) on the CPU: host-clock events."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "phase_probe.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--iterations", "1", "--dry-run"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "probe.json").read_text())
+    assert len(record["rollout"]) == 2  # the warm-up and the measured iteration
+    kinds = record["rollout"][-1]["by_kind"]
+    for kind in ("velocity merged", "velocity window", "decode", "encode", "merge build"):
+        assert any(k.startswith(kind) and v["ms"] >= 0 and v["calls"] >= 1 for k, v in kinds.items()), kind
+    assert record["merge_build_ms"][0][0] == "previous formula" and record["merge_build_ms"][0][1] > 0
+    assert len(record["train"]) >= 1 and all(ms > 0 for ms in record["train"][-1]["gpu_ms"])
+    assert "training phase" in done.stdout and "rollout |" in done.stdout
