@@ -3,7 +3,10 @@
 import gc
 import weakref
 
+import torch
+
 from imagerl.gc_freeze import GCFreeze
+from imagerl.metrics import PhaseTimer
 
 
 class _Node:
@@ -22,13 +25,16 @@ def test_freeze_moves_the_survivors_out_of_later_collections_and_exit_undoes_it(
     garbage_before, gone_before = _cycle()
     del garbage_before
     kept, kept_ref = _cycle()  # alive at the freeze
+    timer = PhaseTimer(torch.device("cpu"))
     with GCFreeze(True) as freeze:
         assert freeze.pending
-        freeze.after_iteration()
+        freeze.after_iteration(timer)
         assert gone_before() is None  # the collection before the freeze freed the garbage there was
         assert not freeze.pending and gc.get_freeze_count() > 0
-        freeze.after_iteration()  # once per run
+        freeze.after_iteration(timer)  # once per run
         frozen = gc.get_freeze_count()
+        timed = timer.pop_metrics()
+        assert timed["time/gc_freeze_s"] > 0 and timed["perf/gc_full_collections"] >= 1  # timed, once
         del kept  # garbage now, but frozen: later collections do not walk it
         gc.collect()
         assert kept_ref() is not None
@@ -42,17 +48,19 @@ def test_freeze_moves_the_survivors_out_of_later_collections_and_exit_undoes_it(
 
 
 def test_disabled_freezes_nothing():
+    timer = PhaseTimer(torch.device("cpu"))
     with GCFreeze(False) as freeze:
         assert not freeze.pending
-        freeze.after_iteration()
+        freeze.after_iteration(timer)
         assert gc.get_freeze_count() == 0
+    assert "time/gc_freeze_s" not in timer.pop_metrics()
 
 
 def test_a_freeze_made_by_someone_else_is_left_in_place():
     gc.freeze()
     try:
         with GCFreeze(True) as freeze:
-            freeze.after_iteration()
+            freeze.after_iteration(PhaseTimer(torch.device("cpu")))
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()

@@ -20,8 +20,7 @@ import gc
 
 
 class GCFreeze:
-    """`with GCFreeze(enabled) as freeze:` ... `freeze.after_iteration()` at the end of each loop iteration (time it
-while `freeze.pending`: that call is the collection)."""
+    """`with GCFreeze(enabled) as freeze:` ... `freeze.after_iteration(timer)` at the end of each loop iteration."""
 
     def __init__(self, enabled: bool):
         self.enabled, self.frozen, self._frozen_before = enabled, False, 0
@@ -34,12 +33,15 @@ while `freeze.pending`: that call is the collection)."""
         """The next after_iteration() collects and freezes (a ~1 s pause on the H200 machine, once per run)."""
         return self.enabled and not self.frozen
 
-    def after_iteration(self) -> None:
+    def after_iteration(self, timer) -> None:
+        """The first call collects and freezes, timed as the phase "gc_freeze" of `timer` (a metrics.PhaseTimer),
+        so the pause counts in that iteration's total; later calls do nothing."""
         if not self.pending:
             return
         self._frozen_before = gc.get_freeze_count()  # someone else's freeze: left as it was on exit
-        gc.collect()
-        gc.freeze()
+        with timer("gc_freeze"):
+            gc.collect()
+            gc.freeze()
         self.frozen = True
 
     def close(self) -> None:

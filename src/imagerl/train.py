@@ -82,9 +82,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             metrics = {**reward_metrics, **_component_means(rewards, world), "rollout/sde_window_start": window.start,
                        "time/reward_compute_s": scored.compute_s, **stats.as_metrics()}
             metrics.update(maybe_eval(done))
-            if gc_freeze.pending:
-                with timer("gc_freeze"):
-                    gc_freeze.after_iteration()
+            gc_freeze.after_iteration(timer)
             metrics.update({**timer.pop_metrics(), **memory_metrics(world.device)})
             iteration_s = metrics["time/total_s"] - metrics.get("time/eval_s", 0.0)
             metrics["perf/images_per_s"] = plan.samples_per_rank * world.size / iteration_s

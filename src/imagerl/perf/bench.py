@@ -206,9 +206,7 @@ class Bench:
                                                            rollout.group_ids_B, world, cfg.train.global_std)
                     with timer("train"):
                         stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world)
-                    if gc_freeze.pending:  # as train.py: once, after the first iteration (a warm-up one if any)
-                        with timer("gc_freeze"):
-                            gc_freeze.after_iteration()
+                    gc_freeze.after_iteration(timer)  # as train.py: after the first iteration (a warm-up one if any)
                     phases, peak = timer.pop_metrics(), _peak_gib(self.device)
                     if it >= self.warmup:
                         lengths = [rollout.text_B[0].shape[0]] + (
