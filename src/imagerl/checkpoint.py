@@ -70,14 +70,18 @@ def load_lora(adapter, directory: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, keep: int,
-                    world: World | None = None) -> Path:
-    """Every rank calls this (the LoRA is gathered and the shards written collectively); rank 0 writes lora/."""
+                    world: World | None = None, lora_state: dict | None = None, extra: dict | None = None) -> Path:
+    """Every rank calls this (the LoRA is gathered and the shards written collectively); rank 0 writes lora/.
+    lora_state: the tensors to export in lora/ (default: the policy's; DiffusionNFT exports its EMA); extra:
+    an algorithm's further tensors by name (DiffusionNFT's old and EMA LoRA states), saved in dcp/ with the
+    trainable params."""
     world = world or _ONE
     final, tmp = _begin(run_dir, step, world)
-    state = adapter.lora_state_dict()  # a collective under FSDP
+    state = adapter.lora_state_dict() if lora_state is None else lora_state  # a collective under FSDP
     if world.is_main:
         save_lora(adapter, tmp / "lora", state)
-    return _commit(run_dir, step, final, tmp, adapter.transformer, optimizer, config, keep, world, with_model=True)
+    return _commit(run_dir, step, final, tmp, adapter.transformer, optimizer, config, keep, world, with_model=True,
+                   extra=extra)
 
 
 def save_full_checkpoint(run_dir: Path, step: int, transformer, base: Path, optimizer, config: dict,
@@ -118,13 +122,14 @@ def _options(strict: bool = True):
 
 
 def _commit(run_dir: Path, step: int, final: Path, tmp: Path, module, optimizer, config: dict, keep: int,
-            world: World, with_model: bool) -> Path:
+            world: World, with_model: bool, extra: dict | None = None) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state = {"optim": get_optimizer_state_dict(module, optimizer, options=_options())}
     if with_model:
         state["model"] = get_model_state_dict(module, options=_options())
+    state.update(extra or {})
     dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not _distributed())
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
@@ -174,6 +179,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def check_resume_algorithm(path: Path, algorithm: str) -> None:
+    """A checkpoint resumes only the train.algorithm that wrote it (their states differ)."""
+    try:
+        saved = json.loads((path / "state.json").read_text())["config"]["train"].get("algorithm", "flow_grpo")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume {path}: cannot read state.json ({type(e).__name__}: {e})") from e
+    if saved != algorithm:
+        raise ValueError(f"--resume {path}: the checkpoint was written by train.algorithm={saved}, this run is "
+                         f"train.algorithm={algorithm}; resume with train.algorithm={saved} or start a new run")
+
+
 def resolve_resume(resume: str, run_dir: Path) -> Path:
     """`latest` (in this run's directory), a run directory, or a checkpoint directory."""
     path = run_dir if resume == "latest" else Path(resume)
@@ -185,11 +201,11 @@ def resolve_resume(resume: str, run_dir: Path) -> Path:
     return found
 
 
-def load_checkpoint(path: Path, adapter, optimizer, world: World | None = None) -> int:
+def load_checkpoint(path: Path, adapter, optimizer, world: World | None = None, extra: dict | None = None) -> int:
     """Restore LoRA, optimizer and RNG (every rank; any world size); return the rollout step the checkpoint
-    was taken after."""
+    was taken after. extra: tensors saved with save_checkpoint(extra=...), loaded into in place."""
     if (path / "dcp").is_dir():
-        _load_distributed(path, adapter.transformer, optimizer, with_model=True)
+        _load_distributed(path, adapter.transformer, optimizer, with_model=True, extra=extra)
     else:  # an older single-process checkpoint
         state = load_file(path / "lora" / "adapter_model.safetensors")
         adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
@@ -230,7 +246,7 @@ def merged_lora_transformer(base: Path, lora_dir: Path):
     return transformer
 
 
-def _load_distributed(path: Path, module, optimizer, with_model: bool) -> None:
+def _load_distributed(path: Path, module, optimizer, with_model: bool, extra: dict | None = None) -> None:
     """dcp.load into this rank's (possibly sharded) state dicts: DCP reshards between world sizes."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -241,6 +257,8 @@ def _load_distributed(path: Path, module, optimizer, with_model: bool) -> None:
     if with_model:
         state["model"] = get_model_state_dict(module, options=_options())
         dcp.load({"model": state["model"]}, checkpoint_id=str(path / "dcp"), no_dist=not _distributed())
+    if extra:  # in place into the caller's (possibly sharded) tensors
+        dcp.load(extra, checkpoint_id=str(path / "dcp"), no_dist=not _distributed())
     # the target's AdamW state is initialised for every trainable param; params that never got a gradient
     # (e.g. the last block's unused text-stream output) have no state in the checkpoint and keep it empty-ish:
     # AdamW skips params without a gradient, so they are never touched either way

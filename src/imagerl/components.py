@@ -84,8 +84,9 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim
 
 def resolve_family_defaults(cfg: Config, adapter) -> None:
     """Fill settings left to the family (guidance scale) and reject ones it cannot honour."""
-    if cfg.sample.guidance_scale is None:
-        cfg.sample.guidance_scale = adapter.default_guidance_scale
+    if cfg.sample.guidance_scale is None:  # DiffusionNFT samples CFG-free (NVlabs: guidance 1.0)
+        nft = cfg.train.algorithm == "diffusion_nft"
+        cfg.sample.guidance_scale = 1.0 if nft else adapter.default_guidance_scale
     if cfg.parallel.compile and adapter.compile_refused:
         raise ValueError(f"parallel.compile=true is refused for the {adapter.name} family: {adapter.compile_refused}. "
                          "Set parallel.compile=false.")

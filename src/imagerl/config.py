@@ -112,6 +112,9 @@ class SampleConfig:
 
 @dataclass
 class TrainConfig:
+    algorithm: str = "flow_grpo"
+    """"flow_grpo" (SDE rollouts, PPO-clipped likelihood ratios) or "diffusion_nft" (ODE rollouts by the old
+    policy, the flow-matching loss on their clean samples; its settings: the nft section)."""
     num_rollouts: int = 100
     lr: float = 3e-4
     adam_beta1: float = 0.9
@@ -136,6 +139,34 @@ class TrainConfig:
     host-to-device copies. Exact either way (fp32 copies)."""
     global_std: bool = True
     """Advantage std over the whole rollout (True, flow_grpo Qwen-Image) or per group."""
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT (train.algorithm=diffusion_nft; NVlabs/DiffusionNFT, reference/verl_nft.md Part B). Defaults:
+    NVlabs' config/base.py + nft.py (decay_type 1)."""
+
+    beta: float = 1.0
+    """Mixing strength: v+ = beta v_theta + (1 - beta) v_old, v- = (1 + beta) v_old - beta v_theta (NVlabs 1.0;
+    0.1 for OCR and multi-reward: faster reward rise, less stable)."""
+    ref_weight: float = 1e-4
+    """Weight of the velocity MSE to the reference model (adapters off); 0: no reference forward."""
+    timestep_fraction: float = 0.99
+    """Fraction of the sampler's timestep grid trained per sample (floor, at least 1): 0.99 of 10 -> 9."""
+    adaptive_weight_min: float = 1e-5
+    """Floor of the per-sample x0-space loss normaliser mean|x0_hat - x0|."""
+    solver: str = "dpm2"
+    """Rollout ODE sampler: "dpm2" (DPM-Solver++(2M), NVlabs) or "euler" (the family pipeline's, verl-omni)."""
+    old_decay_flat: int = 0
+    old_decay_rate: float = 0.001
+    old_decay_cap: float = 0.5
+    """Old (sampling) policy after each rollout: old <- d old + (1 - d) theta with d = 0 for k < flat, else
+    min((k - flat) rate, cap), k = optimizer steps so far. 0/0.001/0.5 (NVlabs default); 75/0.0075/0.999 (OCR);
+    rate 0: a copy (on-policy)."""
+    ema: bool = True
+    """Evaluate and export (checkpoints' lora/) an EMA of the policy, decay min((1 + k) / (10 + k), ema_cap),
+    updated every optimizer step; false: the policy itself."""
+    ema_cap: float = 0.9
 
 
 @dataclass
@@ -226,6 +257,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)

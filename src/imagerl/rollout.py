@@ -21,6 +21,7 @@ from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
 from imagerl.families.merged_lora import MergedLora
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
+from imagerl.sampling.ode import ODESolverState, ode_step
 from imagerl.validation import training_batch_size
 
 
@@ -92,6 +93,54 @@ def _noise(seed: int, purpose: str, step: int, sample_ids: list[int], shape_fn, 
     return [shape_fn(make_generator(seed, purpose, step, sid, *keys)) for sid in sample_ids]
 
 
+@dataclass
+class _Plan:
+    """What every rollout of a rank derives from its prompt groups before sampling (all per image)."""
+
+    prompts_B: list[str]
+    metadata_B: list[dict]
+    sample_ids_B: list[int]
+    group_ids_B: torch.Tensor
+    text_B: list[torch.Tensor]
+    negative: torch.Tensor | None
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    initial_noise_BNC: torch.Tensor
+    micro: int
+
+
+def _plan(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, initial_noise_BNC) -> _Plan:
+    s, seed, k = cfg.sample, cfg.run.seed, cfg.sample.group_size
+    prompts_B = [p for p in groups.prompts_G for _ in range(k)]
+    sample_ids_B = [g * k + j for g in groups.group_ids_G for j in range(k)]
+    text_B = adapter.encode_prompts(prompts_B, s.max_sequence_length)
+    negative = adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0] if s.guidance_scale > 1 else None
+    sigmas = adapter.sigmas(s.num_steps, s.height, s.width)
+    if initial_noise_BNC is None:
+        # same_initial_noise: key the noise by the group's first sample id, so every sample of a group shares it
+        noise_ids = [sid - sid % k for sid in sample_ids_B] if s.same_initial_noise else sample_ids_B
+        initial_noise_BNC = torch.cat(_noise(seed, "init_noise", rollout_step, noise_ids,
+                                             lambda g: adapter.initial_noise([g], s.height, s.width)))
+    if initial_noise_BNC.shape[0] != len(prompts_B):
+        raise ValueError(f"initial noise has {initial_noise_BNC.shape[0]} rows for {len(prompts_B)} samples")
+    return _Plan(prompts_B, [m for m in groups.metadata_G for _ in range(k)], sample_ids_B,
+                 torch.tensor(groups.group_ids_G).repeat_interleave(k), text_B, negative, sigmas,
+                 flow_timesteps(sigmas, adapter.scheduler_config), initial_noise_BNC, training_batch_size(cfg))
+
+
+def _decode(adapter, plan: _Plan, batch: slice, x_BNC: torch.Tensor, cfg: Config, on_batch) -> torch.Tensor:
+    """Images of one rollout batch, decoded per training batch: the VAE's full-resolution activations of a large
+    rollout batch set the peak; each is scored (on_batch) as soon as it is decoded, so only the last one's scoring
+    is left after the rollout."""
+    n, decoded = x_BNC.shape[0], []
+    for a in range(0, n, plan.micro):
+        sub = slice(a, min(a + plan.micro, n))
+        decoded.append(adapter.decode(x_BNC[sub], cfg.sample.height, cfg.sample.width).cpu())
+        if on_batch is not None:
+            on_batch(decoded[-1], plan.prompts_B[batch][sub], plan.metadata_B[batch][sub])
+    return torch.cat(decoded)
+
+
 @torch.no_grad()
 def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, window: SDEWindow,
              initial_noise_BNC: torch.Tensor | None = None, progress=None, on_batch=None) -> Rollout:
@@ -99,27 +148,14 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
 
     on_batch(images_B3HW, prompts, metadata) is called as each training batch (train.batch_size) is decoded,
     in sample order (e.g. to start scoring it while the next is decoded or generated)."""
-    s, seed, k = cfg.sample, cfg.run.seed, cfg.sample.group_size
-    prompts_B = [p for p in groups.prompts_G for _ in range(k)]
-    metadata_B = [m for m in groups.metadata_G for _ in range(k)]
-    sample_ids_B = [g * k + j for g in groups.group_ids_G for j in range(k)]
-    text_B = adapter.encode_prompts(prompts_B, s.max_sequence_length)
-    negative = adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0] if s.guidance_scale > 1 else None
-
+    s, seed = cfg.sample, cfg.run.seed
+    plan = _plan(adapter, groups, cfg, rollout_step, initial_noise_BNC)
+    prompts_B, sample_ids_B, text_B, negative = plan.prompts_B, plan.sample_ids_B, plan.text_B, plan.negative
+    sigmas, timesteps, micro = plan.sigmas, plan.timesteps, plan.micro
     h, w = s.height, s.width
-    sigmas = adapter.sigmas(s.num_steps, h, w)
-    timesteps = flow_timesteps(sigmas, adapter.scheduler_config)
-    if initial_noise_BNC is None:
-        # same_initial_noise: key the noise by the group's first sample id, so every sample of a group shares it
-        noise_ids = [sid - sid % k for sid in sample_ids_B] if s.same_initial_noise else sample_ids_B
-        initial_noise_BNC = torch.cat(_noise(seed, "init_noise", rollout_step, noise_ids,
-                                             lambda g: adapter.initial_noise([g], h, w)))
-    if initial_noise_BNC.shape[0] != len(prompts_B):
-        raise ValueError(f"initial noise has {initial_noise_BNC.shape[0]} rows for {len(prompts_B)} samples")
 
     # train.timestep_staging: the trajectory waits on the CPU; the update copies each step's inputs back
     staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
-    micro = training_batch_size(cfg)
     # sample.merge_lora: the steps outside the window run on merged weights (families/merged_lora.py)
     off_window = MergedLora(adapter.transformer).applied if s.merge_lora else contextlib.nullcontext
     traj_in, traj_out, log_probs, images = [], [], [], []
@@ -133,7 +169,7 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         window_conds = [cond] if len(subs) == 1 else [
             batch_conditioning(adapter, text_B[batch][sub], negative, s.guidance_scale, kv_cache=s.kv_cache)
             for sub in subs]
-        x = initial_noise_BNC[batch].to(adapter.device, torch.float32)
+        x = plan.initial_noise_BNC[batch].to(adapter.device, torch.float32)
         ins, outs, lps = [], [], []
         # (under grad only the velocity, detached, could build a graph: the step arithmetic needs no grad inputs)
         with _training_graph(adapter, cfg.parallel.compile):
@@ -156,25 +192,72 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))
         log_probs.append(staged(torch.stack(lps, 1)))
-        # decoded per training batch: the VAE's full-resolution activations of a large rollout batch set the peak;
-        # each is scored as soon as it is decoded, so only the last one's scoring is left after the rollout
-        decoded = []
-        for sub in subs:
-            decoded.append(adapter.decode(x[sub], h, w).cpu())
-            if on_batch is not None:
-                on_batch(decoded[-1], prompts_B[batch][sub], metadata_B[batch][sub])
-        images.append(torch.cat(decoded))
+        images.append(_decode(adapter, plan, batch, x, cfg, on_batch))
         if progress is not None:
             progress.update(n)
 
     steps = torch.tensor(list(window.steps), device=sigmas.device)
     return Rollout(
-        prompts_B=prompts_B, metadata_B=metadata_B, group_ids_B=torch.tensor(groups.group_ids_G).repeat_interleave(k),
+        prompts_B=prompts_B, metadata_B=plan.metadata_B, group_ids_B=plan.group_ids_B,
         text_B=text_B, negative=negative, latents_BSNC=torch.cat(traj_in), next_latents_BSNC=torch.cat(traj_out),
         log_probs_BS=torch.cat(log_probs), timesteps_S=timesteps[steps], sigmas_S=sigmas[steps],
         sigmas_next_S=sigmas[steps + 1], sigma_max=sigmas[1], images_B3HW=torch.cat(images), window=window,
         batch_size=micro,
     )
+
+
+@dataclass
+class CleanRollout:
+    """One rank's ODE rollout for DiffusionNFT: only the clean samples and the sampler's grid are kept.
+
+    x0_BNC: float32 final latents (on the CPU with train.timestep_staging); sample_ids_B: global sample index
+    (keys the training noise); timesteps_T / sigmas_T: float32, the grid's T = num_steps points (terminal 0
+    excluded). Other fields as Rollout."""
+
+    prompts_B: list[str]
+    metadata_B: list[dict]
+    group_ids_B: torch.Tensor
+    sample_ids_B: list[int]
+    text_B: list[torch.Tensor]
+    x0_BNC: torch.Tensor
+    timesteps_T: torch.Tensor
+    sigmas_T: torch.Tensor
+    images_B3HW: torch.Tensor
+    batch_size: int
+
+    def __len__(self) -> int:
+        return len(self.prompts_B)
+
+    def batches(self) -> list[slice]:
+        return [slice(i, min(i + self.batch_size, len(self))) for i in range(0, len(self), self.batch_size)]
+
+
+@torch.no_grad()
+def generate_clean(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, solver: str,
+                   initial_noise_BNC: torch.Tensor | None = None, progress=None, on_batch=None) -> CleanRollout:
+    """K deterministic ODE samples (nft.solver) per prompt group of this rank with the current weights (the caller
+    swaps in the sampling policy), at sample.guidance_scale; on_batch as in generate()."""
+    s = cfg.sample
+    plan = _plan(adapter, groups, cfg, rollout_step, initial_noise_BNC)
+    staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
+    merged = MergedLora(adapter.transformer).applied if s.merge_lora else contextlib.nullcontext  # nothing replayed
+    x0s, images = [], []
+    for start in range(0, len(plan.prompts_B), s.batch_size):
+        batch = slice(start, start + s.batch_size)
+        n = len(plan.prompts_B[batch])
+        cond = batch_conditioning(adapter, plan.text_B[batch], plan.negative, s.guidance_scale, kv_cache=s.kv_cache)
+        x = plan.initial_noise_BNC[batch].to(adapter.device, torch.float32)
+        state = ODESolverState()
+        with merged():
+            for i in range(s.num_steps):
+                v = adapter.velocity(x, plan.timesteps[i].expand(n), cond, s.height, s.width)
+                x = ode_step(solver, x, v, plan.sigmas, i, state)
+        x0s.append(staged(x))
+        images.append(_decode(adapter, plan, batch, x, cfg, on_batch))
+        if progress is not None:
+            progress.update(n)
+    return CleanRollout(plan.prompts_B, plan.metadata_B, plan.group_ids_B, plan.sample_ids_B, plan.text_B,
+                        torch.cat(x0s), plan.timesteps, plan.sigmas[:-1], torch.cat(images), plan.micro)
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""The Flow-GRPO training loop: sample groups -> roll out (scored as it goes) -> advantages -> update -> log."""
+"""The training loop: sample groups -> roll out (scored as it goes) -> advantages -> update -> log. The algorithm
+(train.algorithm: Flow-GRPO or DiffusionNFT, algorithms/) owns its rollout and its update."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from imagerl.algorithms import make_algorithm
 from imagerl.algorithms.advantages import rollout_advantages
-from imagerl.algorithms.flow_grpo import flow_grpo_update
-from imagerl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from imagerl.checkpoint import check_resume_algorithm, load_checkpoint, resolve_resume, save_checkpoint
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
 from imagerl.data import GroupSampler, load_train_test
@@ -19,8 +20,6 @@ from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_rew
                              require_wandb, save_image_grid)
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
-from imagerl.rollout import generate
-from imagerl.sampling import sde_window
 from imagerl.scoring import AsyncScorer, ScoredRollout
 from imagerl.validation import validate
 
@@ -37,6 +36,8 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     train_set, test_set = load_train_test(cfg.data)
     run_dir = cfg.output_dir
     resume_from = resolve_resume(resume, run_dir) if resume else None
+    if resume_from:
+        check_resume_algorithm(resume_from, cfg.train.algorithm)
     scorer = Scorer(cfg.reward, world.device)
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
@@ -48,13 +49,15 @@ def train(cfg: Config, resume: str | None = None) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
+    algo = make_algorithm(cfg, adapter)
     scoring = AsyncScorer(scorer, enabled=cfg.reward.async_scoring)
     sampler = GroupSampler(train_set, cfg.sample.prompts_per_rollout, cfg.run.seed, world.rank, world.size)
-    start = load_checkpoint(resume_from, adapter, optimizer, world) if resume_from else 0
+    start = load_checkpoint(resume_from, adapter, optimizer, world, algo.checkpoint_state()) if resume_from else 0
+    save = _saver(cfg, adapter, optimizer, algo, run_dir, world)
     logger = MetricsLogger(run_dir, world.is_main, cfg.run.tensorboard, wandb=cfg.run.wandb, config=cfg)
     logger.truncate_after(start)
     timer = PhaseTimer(world.device)
-    maybe_eval = _evaluator(cfg, adapter, optimizer, scorer, test_set, world, run_dir, timer)
+    maybe_eval = _evaluator(cfg, adapter, algo, save, scorer, test_set, world, run_dir, timer)
     if start == 0 and cfg.eval.before_training:
         logger.log(0, {**maybe_eval(0, force=True), **timer.pop_metrics()})
     bar = progress_bar(cfg.train.num_rollouts, "rollouts", world.is_main, unit="rollout")
@@ -63,23 +66,20 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     with GCFreeze(cfg.run.gc_freeze) as gc_freeze:  # one collection + gc.freeze() after the first rollout
         for step in range(start, cfg.train.num_rollouts):
             groups = sampler.groups_for(step)
-            window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
-                                cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=step)
             with timer("rollout"), progress_bar(plan.samples_per_rank, "  sample", world.is_main, "img", False) as pb:
-                rollout = generate(adapter, groups, cfg, step, window, progress=pb, on_batch=scoring.submit)
+                rollout = algo.generate(adapter, groups, step, progress=pb, on_batch=scoring.submit)
             with timer("reward"):
                 scored = scoring.collect()
                 rewards = scored.rewards
                 advantages, reward_metrics = rollout_advantages(rewards.total_B, rewards.valid_B, rollout.group_ids_B,
                                                                 world, cfg.train.global_std)
-                _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, adapter,
-                               optimizer, world)
-            with timer("train"), progress_bar(plan.batches_per_rank * cfg.sample.num_sde_steps, "  train",
+                _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, save)
+            with timer("train"), progress_bar(algo.forwards_per_update(plan.batches_per_rank), "  train",
                                               world.is_main, "fwd", False) as pb:
-                stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world, progress=pb)
+                stats = algo.update(adapter, rollout, advantages, optimizer, world, step, progress=pb)
 
             done = step + 1
-            metrics = {**reward_metrics, **_component_means(rewards, world), "rollout/sde_window_start": window.start,
+            metrics = {**reward_metrics, **_component_means(rewards, world), **algo.rollout_metrics(rollout),
                        "time/reward_compute_s": scored.compute_s, **stats.as_metrics()}
             metrics.update(maybe_eval(done))
             gc_freeze.after_iteration(timer)
@@ -94,7 +94,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
                                 run_dir / "images" / f"rollout_{done:06d}.png", captions=rollout.prompts_B[:16])
                 plot_reward_curve(run_dir)
             if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts:
-                save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints, world)
+                save(done, cfg.run.keep_checkpoints)
 
     bar.close()
     scoring.close()
@@ -104,7 +104,19 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     return run_dir
 
 
-def _evaluator(cfg: Config, adapter, optimizer, scorer, test_set, world, run_dir: Path, timer):
+def _saver(cfg: Config, adapter, optimizer, algo, run_dir: Path, world):
+    """save(step, keep) -> checkpoint path (every rank): lora/ holds the weights the algorithm evaluates with."""
+
+    def save(step: int, keep: int) -> Path:
+        with algo.evaluation_weights():  # cloned: on a CPU the state's tensors are the parameters themselves
+            lora = {k: v.clone() for k, v in adapter.lora_state_dict().items()}  # a collective under FSDP
+        return save_checkpoint(run_dir, step, adapter, optimizer, cfg.to_dict(), keep, world, lora_state=lora,
+                               extra=algo.checkpoint_state())
+
+    return save
+
+
+def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_dir: Path, timer):
     """maybe_eval(done, force=False) -> eval metrics every eval.interval rollouts and after the last one.
     A failing eval reward saves the state after rollout `done` first, so the update is not lost."""
 
@@ -115,13 +127,12 @@ def _evaluator(cfg: Config, adapter, optimizer, scorer, test_set, world, run_dir
         from imagerl.evaluation import evaluate
 
         try:
-            with timer("eval"):
+            with timer("eval"), algo.evaluation_weights():
                 return evaluate(adapter, scorer, test_set, cfg, world, done, run_dir=run_dir if world.is_main else None)
         except RewardError as e:
             where = ""
             if done > 0:  # every rank gets here (the eval reward error is raised on all ranks)
-                path = save_checkpoint(run_dir, done, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1,
-                                       world)
+                path = save(done, cfg.run.keep_checkpoints + 1)
                 where = f"; the state after rollout {done} is saved in {path}"
             raise RewardError(f"evaluation after rollout {done}: {e}{where}; continue with --resume {run_dir}") from e
 
@@ -139,8 +150,7 @@ def _component_means(rewards, world) -> dict[str, float]:
     return out
 
 
-def _check_rewards(scored: ScoredRollout, failed_count: int, cfg: Config, run_dir: Path, step: int, adapter,
-                   optimizer, world) -> None:
+def _check_rewards(scored: ScoredRollout, failed_count: int, cfg: Config, run_dir: Path, step: int, save) -> None:
     """Stop on a failed or non-finite reward (any rank: failed_count is global, so all ranks stop together)
     unless reward.on_error=skip; the state before this rollout is saved so nothing is lost."""
     if cfg.reward.on_error == "skip" or not failed_count:
@@ -150,7 +160,7 @@ def _check_rewards(scored: ScoredRollout, failed_count: int, cfg: Config, run_di
                                           f"{failed_count} rewards failed on other ranks")
     where = ""
     if step > 0:  # every rank gets here: failed_count is global
-        path = save_checkpoint(run_dir, step, adapter, optimizer, cfg.to_dict(), cfg.run.keep_checkpoints + 1, world)
+        path = save(step, cfg.run.keep_checkpoints + 1)
         where = f"; the state after rollout {step} is saved in {path}"
     raise RewardError(f"rollout {step + 1}: {reason} (reward.on_error=error; reward.on_error=skip drops such "
                       f"samples){where}. Fix the reward, then continue with `imagerl train --recipe {cfg.recipe} "

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from imagerl.config import Config
 from imagerl.sampling.window import validate_window
 
+ALGORITHMS = ("flow_grpo", "diffusion_nft")
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -50,13 +52,18 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         raise ValueError(f"model.text_length_multiple must be >= 0 (0: automatic), got {cfg.model.text_length_multiple}")
     if cfg.model.vae_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"model.vae_dtype must be 'float32' or 'bfloat16', got {cfg.model.vae_dtype!r}")
-    if s.sde_type not in ("sde", "cps"):
-        raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
-    if s.noise_level <= 0:
-        raise ValueError(f"sample.noise_level must be > 0 for training (got {s.noise_level}); 0 is the ODE")
-    if len(s.sde_window_range) != 2:
-        raise ValueError(f"sample.sde_window_range must be [lo, hi], got {s.sde_window_range}")
-    validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
+    if t.algorithm not in ALGORITHMS:
+        raise ValueError(f"train.algorithm must be one of {', '.join(ALGORITHMS)}, got {t.algorithm!r}")
+    if t.algorithm == "diffusion_nft":
+        validate_nft(cfg)
+    else:  # the SDE window is Flow-GRPO's; DiffusionNFT samples by ODE
+        if s.sde_type not in ("sde", "cps"):
+            raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
+        if s.noise_level <= 0:
+            raise ValueError(f"sample.noise_level must be > 0 for training (got {s.noise_level}); 0 is the ODE")
+        if len(s.sde_window_range) != 2:
+            raise ValueError(f"sample.sde_window_range must be [lo, hi], got {s.sde_window_range}")
+        validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
     for key, value in {"train.lr": t.lr, "train.clip_range": t.clip_range, "train.beta": t.beta,
                        "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm,
                        "train.adv_clip_max": t.adv_clip_max, "sample.noise_level": s.noise_level,
@@ -114,6 +121,31 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         )
     return BatchPlan(samples, s.prompts_per_rollout // world_size, per_rank, batches,
                      batches // t.num_optimizer_steps, samples // t.num_optimizer_steps)
+
+
+def validate_nft(cfg: Config) -> None:
+    """The nft section, and sampling settings that cannot work with deterministic ODE rollouts."""
+    from imagerl.sampling.ode import ODE_SOLVERS
+
+    n = cfg.nft
+    if n.solver not in ODE_SOLVERS:
+        raise ValueError(f"nft.solver must be one of {', '.join(ODE_SOLVERS)}, got {n.solver!r}")
+    if not (math.isfinite(n.beta) and n.beta > 0):
+        raise ValueError(f"nft.beta must be > 0 (the loss is scaled by 1/beta), got {n.beta}")
+    if not 0 < n.timestep_fraction <= 1:
+        raise ValueError(f"nft.timestep_fraction must be in (0, 1], got {n.timestep_fraction}")
+    for key, value in {"nft.ref_weight": n.ref_weight, "nft.adaptive_weight_min": n.adaptive_weight_min,
+                       "nft.old_decay_rate": n.old_decay_rate, "nft.old_decay_flat": n.old_decay_flat}.items():
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{key} must be a finite number >= 0, got {value}")
+    for key, value in {"nft.old_decay_cap": n.old_decay_cap, "nft.ema_cap": n.ema_cap}.items():
+        if not 0 <= value < 1:
+            raise ValueError(f"{key} must be in [0, 1) (a decay of 1 never moves), got {value}")
+    if n.adaptive_weight_min == 0:
+        raise ValueError("nft.adaptive_weight_min must be > 0: it keeps the loss normaliser from dividing by zero")
+    if cfg.sample.same_initial_noise:
+        raise ValueError("sample.same_initial_noise=true with train.algorithm=diffusion_nft: deterministic ODE "
+                         "rollouts from one noise give a group of identical images (zero advantages); set it false")
 
 
 def validate_parallel(cfg: Config, world_size: int) -> str:

@@ -18,6 +18,7 @@ still the rollout policy, so it must be exactly 0 for an exact replay.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -130,3 +131,39 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
         ratio_abs_minus_1=totals[5].item() / count, log_prob_mean_abs_diff=totals[7].item() / max(totals[8].item(), 1),
         grad_norm=sum(grad_norms) / len(grad_norms), num_optimizer_steps=t.num_optimizer_steps,
     )
+
+
+class FlowGRPO:
+    """train.algorithm=flow_grpo for the loop (train.py): SDE-window rollouts with old log-probs, then the update."""
+
+    name = "flow_grpo"
+
+    def __init__(self, cfg: Config, adapter):
+        self.cfg = cfg
+
+    def generate(self, adapter, groups, step: int, progress=None, on_batch=None) -> Rollout:
+        from imagerl.rollout import generate
+        from imagerl.sampling import sde_window
+
+        s = self.cfg.sample
+        window = sde_window(s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start, seed=self.cfg.run.seed,
+                            rollout_step=step)
+        return generate(adapter, groups, self.cfg, step, window, progress=progress, on_batch=on_batch)
+
+    def update(self, adapter, rollout: Rollout, advantages_B, optimizer, world: World, step: int,
+               progress=None) -> TrainStats:
+        return flow_grpo_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, progress=progress)
+
+    def forwards_per_update(self, batches_per_rank: int) -> int:
+        return batches_per_rank * self.cfg.sample.num_sde_steps
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        return {"rollout/sde_window_start": rollout.window.start}
+
+    def evaluation_weights(self):
+        """The weights evaluation and exports use: the policy's."""
+        return contextlib.nullcontext()
+
+    def checkpoint_state(self) -> dict:
+        """Tensors beside the LoRA and optimizer in a checkpoint (none)."""
+        return {}

@@ -1,0 +1,234 @@
+"""DiffusionNFT (negative-aware fine-tuning on the forward process; NVlabs/DiffusionNFT scripts/train_nft_sd3.py,
+reference/verl_nft.md Part B).
+
+The `old` policy samples each rollout by a deterministic ODE (rollout.generate_clean); only the clean latents
+x0 are kept. Rewards become optimality probabilities
+
+  r = clamp(clip(A, -c, c) / c / 2 + 1/2, 0, 1)          c = train.adv_clip_max (5): r = A/10 + 1/2
+
+and the policy is trained with the flow-matching loss on the forward process: for each sample, a permutation
+of the sampler's timestep grid, the first floor(T x nft.timestep_fraction) of it, fresh noise eps per step,
+
+  x_t = (1 - t) x0 + t eps,       v_old (old policy), v_theta (with grad), v_ref (adapters off; no grad)
+  v+  = beta v_theta + (1 - beta) v_old           (implicit positive policy)
+  v-  = (1 + beta) v_old - beta v_theta           (implicit negative: the reflection of v+ about v_old)
+  x0+- = x_t - t v+-,   w+- = stopgrad mean|x0+- - x0| (float64, floored at nft.adaptive_weight_min)
+  loss = c / beta [ r mean (x0+ - x0)^2 / w+  +  (1 - r) mean (x0- - x0)^2 / w- ]  +  ref_weight mean (v_theta - v_ref)^2
+
+averaged over the batch; each (batch, step) backward is divided by batches_per_step x trained steps (the
+gradient of the mean), gradients reduced over ranks, clipped, AdamW. After the rollout's optimizer steps,
+old <- d old + (1 - d) theta with d = old_policy_decay(k) (k = optimizer steps so far); every optimizer step
+the evaluation EMA <- e EMA + (1 - e) theta with e = min((1 + k) / (10 + k), nft.ema_cap).
+
+Training forwards are conditional only (no CFG), as NVlabs' and verl-omni's: the rollout's guidance scale, when
+a user sets one, shapes only the samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from imagerl.algorithms.flow_grpo import global_clip_grad_norm_
+from imagerl.config import Config
+from imagerl.distributed.parallel import World
+from imagerl.distributed.rng import make_generator
+from imagerl.rollout import CleanRollout, batch_conditioning
+
+
+def reward_probability(advantages_B: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
+    """r = clamp(clip(A, -c, c) / c / 2 + 1/2, 0, 1) (NVlabs: normalized_advantages_clip)."""
+    a = advantages_B.clamp(-adv_clip_max, adv_clip_max)
+    return ((a / adv_clip_max) / 2.0 + 0.5).clamp(0, 1)
+
+
+def old_policy_decay(k: int, flat: int, rate: float, cap: float) -> float:
+    """The old policy's decay after k optimizer steps (NVlabs return_decay): 0 before `flat`, then linear, capped."""
+    return 0.0 if k < flat else min((k - flat) * rate, cap)
+
+
+def ema_decay(k: int, cap: float) -> float:
+    """The evaluation EMA's decay at optimizer step k >= 1 (NVlabs EMAModuleWrapper): min((1 + k) / (10 + k), cap)."""
+    return min((1 + k) / (10 + k), cap)
+
+
+@dataclass
+class NFTLossTerms:
+    """Per-sample (B,) float64 terms: loss = policy + ref_weight * ref; w_pos / w_neg the adaptive weights."""
+
+    loss: torch.Tensor
+    policy: torch.Tensor
+    ref: torch.Tensor
+    w_pos: torch.Tensor
+    w_neg: torch.Tensor
+
+
+def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, v_ref: torch.Tensor | None, x_t: torch.Tensor,
+             x0: torch.Tensor, t_B: torch.Tensor, r_B: torch.Tensor, beta: float, ref_weight: float,
+             adv_clip_max: float, weight_min: float) -> NFTLossTerms:
+    """The DiffusionNFT loss per sample (module docstring); v_old and v_ref carry no gradient."""
+    dims = tuple(range(1, x0.ndim))
+    t = t_B.reshape(-1, *([1] * (x0.ndim - 1)))
+    v_old = v_old.detach()
+    positive = beta * v_theta + (1 - beta) * v_old
+    negative = (1.0 + beta) * v_old - beta * v_theta
+
+    def weighted_sq_error(v):
+        x0_hat = x_t - t * v
+        with torch.no_grad():
+            w = (x0_hat.double() - x0.double()).abs().mean(dim=dims, keepdim=True).clamp(min=weight_min)
+        return ((x0_hat - x0) ** 2 / w).mean(dim=dims), w.reshape(-1)
+
+    pos, w_pos = weighted_sq_error(positive)
+    neg, w_neg = weighted_sq_error(negative)
+    r = r_B.double()
+    policy = (r * pos / beta + (1.0 - r) * neg / beta) * adv_clip_max
+    ref = ((v_theta - v_ref.detach()) ** 2).mean(dim=dims).double() if v_ref is not None else torch.zeros_like(policy)
+    return NFTLossTerms(policy + ref_weight * ref, policy, ref, w_pos, w_neg)
+
+
+@dataclass
+class NFTStats:
+    loss: float
+    policy_loss: float
+    ref_loss: float
+    reward_prob_mean: float
+    old_deviation: float  # mean |v_theta - v_old|: 0 while the policy is the sampling policy
+    adaptive_weight_pos: float
+    adaptive_weight_neg: float
+    grad_norm: float
+    num_optimizer_steps: int
+    trained_timesteps: int
+    old_decay: float
+    ema_decay: float
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"train/{k}": v for k, v in self.__dict__.items()}
+
+
+def trained_timesteps(num_steps: int, fraction: float) -> int:
+    """floor(T x fraction), at least 1 (NVlabs: int(10 x 0.99) = 9)."""
+    return max(1, int(num_steps * fraction))
+
+
+def timestep_order(seed: int, rollout_step: int, sample_ids: list[int], num_steps: int) -> torch.Tensor:
+    """(B, T) long: each sample's permutation of the grid, keyed by its global index (rank- and batch-independent)."""
+    return torch.stack([torch.randperm(num_steps, generator=make_generator(seed, "nft_timesteps", rollout_step, sid))
+                        for sid in sample_ids])
+
+
+def forward_noise(seed: int, rollout_step: int, sample_ids: list[int], j: int, like: torch.Tensor) -> torch.Tensor:
+    """Fresh noise for trained step j of each sample, keyed by (seed, rollout step, global sample index, j)."""
+    return torch.cat([torch.randn((1, *like.shape[1:]), generator=make_generator(seed, "nft_noise", rollout_step, sid, j))
+                      for sid in sample_ids]).to(like.device)
+
+
+def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Tensor, optimizer, cfg: Config,
+                         world: World, states, rollout_step: int, progress=None) -> NFTStats:
+    """One rollout's optimizer steps, then the old-policy refresh. `states` (LoraStates) holds "old" and, with
+    nft.ema, "ema". Returns the averaged statistics (all ranks)."""
+    t, n, s = cfg.train, cfg.nft, cfg.sample
+    params = adapter.trainable_parameters()
+    batches = rollout.batches()
+    per_step = len(batches) // t.num_optimizer_steps
+    steps_T = len(rollout.timesteps_T)
+    num_trained = trained_timesteps(steps_T, n.timestep_fraction)
+    micro = per_step * num_trained
+    r_B = reward_probability(advantages_B.to(adapter.device, torch.float32), t.adv_clip_max)
+    order_BT = timestep_order(cfg.run.seed, rollout_step, rollout.sample_ids_B, steps_T)
+    done_before = rollout_step * t.num_optimizer_steps  # optimizer steps of earlier rollouts (k counts them all)
+    # loss, policy, ref, r, |v - v_old|, w+, w-, count: summed on the device, read once after the loop
+    sums = torch.zeros(8, dtype=torch.float64, device=adapter.device)
+    grad_norms, ema_decays = [], []
+    adapter.transformer.train()
+    for opt_step in range(t.num_optimizer_steps):
+        optimizer.zero_grad(set_to_none=True)
+        for batch in batches[opt_step * per_step: (opt_step + 1) * per_step]:
+            cond = batch_conditioning(adapter, rollout.text_B[batch], None, 1.0)
+            x0 = rollout.x0_BNC[batch].to(adapter.device)  # a copy from the CPU with train.timestep_staging
+            ids = rollout.sample_ids_B[batch]
+            for j in range(num_trained):
+                idx = order_BT[batch, j].to(rollout.sigmas_T.device)
+                sigma_B, timestep_B = rollout.sigmas_T[idx], rollout.timesteps_T[idx]
+                sig = sigma_B.to(adapter.device).reshape(-1, *([1] * (x0.ndim - 1)))
+                x_t = (1 - sig) * x0 + sig * forward_noise(cfg.run.seed, rollout_step, ids, j, x0)
+                with torch.no_grad(), states.swapped_in("old"):
+                    v_old = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
+                v_ref = None
+                if n.ref_weight > 0:
+                    with torch.no_grad(), adapter.lora_disabled():
+                        v_ref = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
+                v = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
+                terms = nft_loss(v, v_old, v_ref, x_t, x0, sigma_B.to(adapter.device), r_B[batch], n.beta,
+                                 n.ref_weight, t.adv_clip_max, n.adaptive_weight_min)
+                (terms.loss.mean() / micro).backward()
+                with torch.no_grad():
+                    k = terms.loss.numel()
+                    dev = (v - v_old).abs().mean(dim=tuple(range(1, v.ndim))).double()
+                    sums += torch.stack([terms.loss.detach().sum(), terms.policy.detach().sum(), terms.ref.sum(),
+                                         r_B[batch].double().sum(), dev.sum(), terms.w_pos.sum(), terms.w_neg.sum(),
+                                         sums.new_tensor(k)])
+                if progress is not None:
+                    progress.update(1)
+        world.all_reduce_grads(params)  # a no-op under FSDP: backward already reduce-scattered the grads
+        grad_norms.append(global_clip_grad_norm_(params, t.max_grad_norm))
+        optimizer.step()
+        if n.ema:
+            ema_decays.append(ema_decay(done_before + opt_step + 1, n.ema_cap))
+            states.blend_toward_policy("ema", ema_decays[-1])
+    adapter.transformer.eval()
+    optimizer.zero_grad(set_to_none=True)
+    decay = old_policy_decay(done_before + t.num_optimizer_steps, n.old_decay_flat, n.old_decay_rate, n.old_decay_cap)
+    states.blend_toward_policy("old", decay)
+
+    totals = world.all_reduce_mean_(sums.to(world.device)).cpu()  # equal counts per rank: mean of sums is fine
+    count = totals[7].item()
+    mean = [totals[i].item() / count for i in range(7)]
+    return NFTStats(loss=mean[0], policy_loss=mean[1], ref_loss=mean[2], reward_prob_mean=mean[3],
+                    old_deviation=mean[4], adaptive_weight_pos=mean[5], adaptive_weight_neg=mean[6],
+                    grad_norm=sum(grad_norms) / len(grad_norms), num_optimizer_steps=t.num_optimizer_steps,
+                    trained_timesteps=num_trained, old_decay=decay,
+                    ema_decay=ema_decays[-1] if ema_decays else math.nan)
+
+
+class DiffusionNFT:
+    """train.algorithm=diffusion_nft for the loop (train.py): the old policy's ODE rollouts, the NFT update, the old
+    policy and EMA states (saved in checkpoints; the EMA is what evaluation and lora/ exports use)."""
+
+    name = "diffusion_nft"
+
+    def __init__(self, cfg: Config, adapter):
+        from imagerl.algorithms.lora_states import LoraStates
+
+        self.cfg = cfg
+        self.param_names = [name for name, p in adapter.transformer.named_parameters() if p.requires_grad]
+        self.states = LoraStates(adapter.trainable_parameters(), ("old", "ema") if cfg.nft.ema else ("old",))
+
+    def generate(self, adapter, groups, step: int, progress=None, on_batch=None) -> CleanRollout:
+        from imagerl.rollout import generate_clean
+
+        with self.states.swapped_in("old"):
+            return generate_clean(adapter, groups, self.cfg, step, self.cfg.nft.solver, progress=progress,
+                                  on_batch=on_batch)
+
+    def update(self, adapter, rollout: CleanRollout, advantages_B, optimizer, world: World, step: int,
+               progress=None) -> NFTStats:
+        return diffusion_nft_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, self.states, step,
+                                    progress=progress)
+
+    def forwards_per_update(self, batches_per_rank: int) -> int:
+        return batches_per_rank * trained_timesteps(self.cfg.sample.num_steps, self.cfg.nft.timestep_fraction)
+
+    def rollout_metrics(self, rollout: CleanRollout) -> dict[str, float]:
+        return {}
+
+    def evaluation_weights(self):
+        """The EMA swapped in (nft.ema), else the policy."""
+        return self.states.swapped_in("ema") if self.cfg.nft.ema else contextlib.nullcontext()
+
+    def checkpoint_state(self) -> dict:
+        """The old and EMA states by parameter name; torch.distributed.checkpoint loads into them in place."""
+        return {"nft": self.states.state_dict(self.param_names)}
