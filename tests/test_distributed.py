@@ -134,6 +134,26 @@ def test_one_two_and_four_ranks_agree_and_resume_across_world_sizes(tiny_checkpo
         assert _max_diff(ref, _lora(resumed, 2)) < 1e-6
 
 
+@pytest.mark.slow
+def test_diffusion_nft_on_two_ranks_equals_one_process(tiny_checkpoint, tmp_path):
+    """DiffusionNFT under FSDP2: the old-policy and EMA states are sharded like the LoRA and swapped in per rank;
+    2 ranks give one process's rewards, losses and exported (EMA) LoRA, and resume its checkpoint on 1 rank."""
+    nft = ["train.algorithm=diffusion_nft", "nft.solver=dpm2", "nft.old_decay_rate=0.3", "nft.ref_weight=0.01"]
+    one, two, two_to_one = tmp_path / "w1", tmp_path / "w2", tmp_path / "2to1"
+    _run(1, tiny_checkpoint, one, *nft)
+    _run(2, tiny_checkpoint, two, *nft)
+    _run(1, tiny_checkpoint, two_to_one, *nft, resume=str(two / "checkpoints" / "step_000001"))
+    r1 = _records(one)
+    assert [r["step"] for r in r1] == [1, 2] and r1[-1]["train/old_deviation"] > 0
+    for other, records in ((two, _records(two)), (two_to_one, _records(two_to_one))):
+        for a, b in zip(r1[-len(records):], records):
+            for key in [*EQUAL_KEYS, "train/loss", "train/policy_loss", "train/ref_loss", "train/old_deviation",
+                        "train/grad_norm"]:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), key
+        assert _max_diff(_lora(one, 2), _lora(other, 2)) < 1e-6
+    assert _max_diff(_lora(one, 2), _lora(one, 1)) > 1e-5  # the exported EMA moved by far more than the tolerance
+
+
 def _exit_rank_main(rank: int, world_size: int, port: int, out) -> None:
     """torchrun's environment, init_world, one collective, then a return without destroying the group."""
     import atexit
