@@ -106,3 +106,21 @@ def test_phase_probe_dry_run_times_each_kind_of_rollout_call(tmp_path):
     assert record["merge_build_ms"][0][0] == "previous formula" and record["merge_build_ms"][0][1] > 0
     assert len(record["train"]) >= 1 and all(ms > 0 for ms in record["train"][-1]["gpu_ms"])
     assert "training phase" in done.stdout and "rollout |" in done.stdout
+
+
+def test_dry_bench_diffusion_nft_rows_beside_the_flow_grpo_recipe(tmp_path):
+    """--algorithm diffusion_nft: the NFT recipe with and without timestep staging beside the family's Flow-GRPO
+    recipe (each variant's recipe=NAME), with the NFT FLOP count (10 ODE steps per image; per trained timestep the
+    policy's forward + backward and the old policy's and reference's forwards)."""
+    from imagerl.perf.bench import NFT_VARIANTS
+
+    rows = run_bench("qwen_image", None, baseline=False, warmup=0, iterations=1, dry=True, out=tmp_path,
+                     echo=lambda *_: None, algorithm="diffusion_nft")
+    assert [r.name for r in rows] == list(NFT_VARIANTS["qwen_image"])
+    grpo, nft, staged = rows
+    assert grpo.log_prob_mean_abs_diff == 0.0 and nft.log_prob_mean_abs_diff != nft.log_prob_mean_abs_diff  # nan
+    for r in (nft, staged):
+        assert r.images_per_s > 0 and r.rollout_mfu > 0 and r.train_mfu > 0
+    assert nft.train_pairs_per_s > 0  # pairs: samples x trained timesteps (10 of the dry run's 6-step grid: 6)
+    with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
+        run_bench("qwen_image", None, dry=True, algorithm="ppo")

@@ -136,7 +136,8 @@ def _bench(args) -> int:
         raise ValueError(f"unknown family {args.family!r}; choose one of {', '.join(DEFAULT_VARIANTS)}")
     run_bench(args.family, variants, baseline=not args.no_baseline, warmup=args.warmup, iterations=args.iterations,
               dry=args.dry_run, out=Path(args.out) if args.out else None,
-              profiles=[[o.strip() for o in spec.split(",") if o.strip()] for spec in args.profile])
+              profiles=[[o.strip() for o in spec.split(",") if o.strip()] for spec in args.profile],
+              algorithm=args.algorithm)
     return 0
 
 
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default="qwen_image", help="qwen_image (with the baseline) | qwen_image21")
     p.add_argument("--variant", action="append", default=[], help="'name:override,override' (repeatable), e.g. "
                    "'compile b8:parallel.compile=true,sample.batch_size=8'; default: the family's standard set")
+    p.add_argument("--algorithm", default="flow_grpo", help="flow_grpo | diffusion_nft (default variants: the NFT "
+                   "recipe with and without train.timestep_staging beside the family's Flow-GRPO recipe; a variant's "
+                   "'recipe=NAME' override picks its recipe)")
     p.add_argument("--no-baseline", action="store_true", help="skip the diffusers + peft baseline")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per variant (default 2: compiled "
                    "variants compile on their first two prompt lengths)")

@@ -30,6 +30,8 @@ from imagerl.perf.bench_rows import Row, format_table, iteration_record, make_ro
 
 FAMILIES = ("qwen_image", "qwen_image21")
 RECIPES = {"qwen_image": "qwen_image_jpeg", "qwen_image21": "qwen_image21_jpeg"}
+NFT_RECIPES = {"qwen_image": "qwen_image_nft_ocr", "qwen_image21": "qwen_image21_nft_ocr"}
+ALGORITHMS = ("flow_grpo", "diffusion_nft")
 GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.height=512", "sample.width=512",
             "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_start=3", "train.num_optimizer_steps=2",
             "model.lora_rank=64", "model.lora_alpha=128", "model.lora_init=gaussian", "reward.weights={pickscore: 1.0}"]
@@ -48,6 +50,13 @@ DEFAULT_VARIANTS = {
                        f"sample.negative_prompt={TEXT_CAP_NEGATIVE_PROMPT}"]},
     "qwen_image21": {"imagerl": [], "imagerl b8": ["sample.batch_size=8"]},  # compile refused for 2.1 (see its family)
 }
+# `--algorithm diffusion_nft`: the NFT recipe with and without timestep staging beside the family's Flow-GRPO recipe
+# (a variant's `recipe=NAME` picks its recipe; the bench geometry and reward apply to all)
+NFT_VARIANTS = {family: {"flow_grpo recipe": [f"recipe={RECIPES[family]}"],
+                         "diffusion_nft recipe": [f"recipe={NFT_RECIPES[family]}"],
+                         "diffusion_nft recipe, timestep staging": [f"recipe={NFT_RECIPES[family]}",
+                                                                    "train.timestep_staging=true"]}
+                for family in FAMILIES}
 BASELINE_BATCH_SIZE = 4  # flow_grpo's Qwen-Image sample / train batch per GPU
 
 
@@ -86,11 +95,14 @@ def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: lis
 
 
 def variant_config(family: str, base_overrides: list[str], overrides: list[str]):
-    """The family's recipe in the bench geometry with a variant's overrides, validated."""
+    """The family's recipe (or the variant's `recipe=NAME`) in the bench geometry with the variant's overrides,
+    validated."""
     from imagerl.config import load_config
     from imagerl.validation import validate
 
-    cfg = load_config(RECIPES[family], base_overrides + list(overrides))
+    recipes = [o.partition("=")[2] for o in overrides if o.startswith("recipe=")]
+    overrides = [o for o in overrides if not o.startswith("recipe=")]
+    cfg = load_config(recipes[-1] if recipes else RECIPES[family], base_overrides + overrides)
     validate(cfg)
     return cfg
 
@@ -160,7 +172,16 @@ class Bench:
         blocks = len(self.transformer.transformer_blocks)
         recomputed = -(-blocks // cfg.model.checkpoint_every) / blocks if cfg.model.gradient_checkpointing else 0.0
         train = training_flops(forward, full_fine_tune=False, recompute=recomputed)
-        return samples * rollout_per_sample, samples * s.num_sde_steps * train
+        if cfg.train.algorithm != "diffusion_nft":
+            return samples * rollout_per_sample, samples * s.num_sde_steps * train
+        # DiffusionNFT: every rollout step an ODE step (merged: no LoRA matmuls); per trained timestep the
+        # policy's forward + backward, the old policy's forward and (ref_weight > 0) the reference's, without LoRA
+        from imagerl.algorithms.diffusion_nft import trained_timesteps
+
+        no_lora = _forward_flops(*args[:4], 0, *args[5:])
+        rollout_per_sample = s.num_steps * (no_lora if s.merge_lora else forward)
+        per_timestep = train + forward + (no_lora if cfg.nft.ref_weight > 0 else 0)
+        return samples * rollout_per_sample, samples * trained_timesteps(s.num_steps, cfg.nft.timestep_fraction) * per_timestep
 
     def _mean_flops(self, cfg, adapter, text_tokens: list[list[int]]) -> tuple[int, int]:
         """Rollout and training FLOPs per iteration, averaged over the measured iterations' text lengths."""
@@ -168,17 +189,16 @@ class Bench:
         return sum(f[0] for f in flops) // len(flops), sum(f[1] for f in flops) // len(flops)
 
     def run_imagerl(self, name: str, overrides: list[str], ceiling: float) -> Row:
-        """imagerl's own loop body (train.py): generate (scored as it goes) -> advantages -> flow_grpo_update."""
+        """imagerl's own loop body (train.py): generate (scored as it goes) -> advantages -> the algorithm's update."""
+        from imagerl.algorithms import make_algorithm
         from imagerl.algorithms.advantages import rollout_advantages
-        from imagerl.algorithms.flow_grpo import flow_grpo_update
+        from imagerl.algorithms.diffusion_nft import trained_timesteps
         from imagerl.components import make_optimizer, prepare_adapter, resolve_family_defaults
         from imagerl.data import PromptGroups
         from imagerl.distributed.fsdp import apply_parallelism
         from imagerl.distributed.parallel import World
         from imagerl.gc_freeze import GCFreeze
         from imagerl.metrics import PhaseTimer
-        from imagerl.rollout import generate
-        from imagerl.sampling import sde_window
         from imagerl.scoring import AsyncScorer
 
         cfg = self.config(overrides)
@@ -188,6 +208,7 @@ class Bench:
             world = World(0, 1, self.device)
             apply_parallelism(adapter, cfg, world)
             optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
+            algo = make_algorithm(cfg, adapter)
             scoring = AsyncScorer(self.scorer, enabled=cfg.reward.async_scoring)
             timer, times, text_tokens = PhaseTimer(self.device), [], []
             _peak_gib(self.device)  # resets the peak
@@ -196,31 +217,33 @@ class Bench:
                 for it in range(self.warmup + self.iterations):
                     retries = _alloc_retries(self.device)
                     groups = PromptGroups([self.prompts[it % len(self.prompts)]], [{}], [0])
-                    window = sde_window(cfg.sample.num_sde_steps, tuple(cfg.sample.sde_window_range),
-                                        cfg.sample.sde_window_start, seed=cfg.run.seed, rollout_step=it)
                     with timer("rollout"):
-                        rollout = generate(adapter, groups, cfg, it, window, on_batch=scoring.submit)
+                        rollout = algo.generate(adapter, groups, it, on_batch=scoring.submit)
                     with timer("reward"):
                         scored = scoring.collect()
                         advantages, _ = rollout_advantages(scored.rewards.total_B, scored.rewards.valid_B,
                                                            rollout.group_ids_B, world, cfg.train.global_std)
                     with timer("train"):
-                        stats = flow_grpo_update(adapter, rollout, advantages, optimizer, cfg, world)
+                        stats = algo.update(adapter, rollout, advantages, optimizer, world, it)
                     gc_freeze.after_iteration(timer)  # as train.py: after the first iteration (a warm-up one if any)
                     phases, peak = timer.pop_metrics(), _peak_gib(self.device)
                     if it >= self.warmup:
+                        negative = getattr(rollout, "negative", None)
                         lengths = [rollout.text_B[0].shape[0]] + (
-                            [rollout.negative.shape[0]] if rollout.negative is not None and cfg.sample.guidance_scale > 1
-                            else [])
+                            [negative.shape[0]] if negative is not None and cfg.sample.guidance_scale > 1 else [])
                         text_tokens.append(lengths)
-                        times.append(iteration_record(phases, peak, stats.log_prob_mean_abs_diff, lengths[0],
+                        # (DiffusionNFT replays nothing: no log-prob difference)
+                        lp_diff = getattr(stats, "log_prob_mean_abs_diff", float("nan"))
+                        times.append(iteration_record(phases, peak, lp_diff, lengths[0],
                                                       _alloc_retries(self.device) - retries))
             finally:
                 scoring.close()
                 gc_freeze.close()
             samples = cfg.sample.prompts_per_rollout * cfg.sample.group_size
+            nft = cfg.train.algorithm == "diffusion_nft"
+            steps = trained_timesteps(cfg.sample.num_steps, cfg.nft.timestep_fraction) if nft else cfg.sample.num_sde_steps
             return make_row(name, overrides, times, *self._mean_flops(cfg, adapter, text_tokens), ceiling, samples,
-                            samples * cfg.sample.num_sde_steps, text_tokens[0][0])
+                            samples * steps, text_tokens[0][0])
         finally:
             self.restore(adapter)
 
@@ -311,7 +334,7 @@ class Bench:
 
 def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None = None, *, baseline: bool = True,
               warmup: int = 2, iterations: int = 2, dry: bool = False, out: Path | None = None,
-              profiles: list[list[str]] = (), echo=print) -> list[Row]:
+              profiles: list[list[str]] = (), echo=print, algorithm: str = "flow_grpo") -> list[Row]:
     """Profile one step of each config in `profiles` (lists of overrides), then run the baseline (qwen_image) and
     each variant (name -> overrides); print and return the rows."""
     from imagerl.perf.flops import measure_matmul_flops_per_s
@@ -320,7 +343,11 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
     device = torch.device("cuda" if torch.cuda.is_available() and not dry else "cpu")
     if device.type != "cuda" and not dry:
         raise RuntimeError("imagerl bench needs a CUDA GPU (released-size models); --dry-run checks the code path on CPU")
-    if variants is None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"imagerl bench: unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    if variants is None and algorithm == "diffusion_nft":
+        variants = NFT_VARIANTS[family]
+    elif variants is None:
         variants = {"imagerl": [], "imagerl grouped": ["model.group_text_lengths=true"]} if dry else DEFAULT_VARIANTS[family]
     check_variants(family, dry, variants, profiles)
     ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=512 if dry else 8192, iterations=3 if dry else 20)
