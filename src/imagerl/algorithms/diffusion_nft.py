@@ -140,6 +140,10 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
     r_B = reward_probability(advantages_B.to(adapter.device, torch.float32), t.adv_clip_max)
     order_BT = timestep_order(cfg.run.seed, rollout_step, rollout.sample_ids_B, steps_T)
     done_before = rollout_step * t.num_optimizer_steps  # optimizer steps of earlier rollouts (k counts them all)
+    # the old policy is an exact copy of the policy until this update's first optimizer step when the last refresh
+    # copied (decay 0) or there was none; derived from the schedule, so the same on every rank and after a resume
+    old_is_policy = rollout_step == 0 or old_policy_decay(done_before, n.old_decay_flat, n.old_decay_rate,
+                                                          n.old_decay_cap) == 0.0
     # loss, policy, ref, r, |v - v_old|, w+, w-, count: summed on the device, read once after the loop
     sums = torch.zeros(8, dtype=torch.float64, device=adapter.device)
     grad_norms, ema_decays = [], []
@@ -155,13 +159,17 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
                 sigma_B, timestep_B = rollout.sigmas_T[idx], rollout.timesteps_T[idx]
                 sig = sigma_B.to(adapter.device).reshape(-1, *([1] * (x0.ndim - 1)))
                 x_t = (1 - sig) * x0 + sig * forward_noise(cfg.run.seed, rollout_step, ids, j, x0)
-                with torch.no_grad(), states.swapped_in("old"):
-                    v_old = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
+                reuse = old_is_policy and opt_step == 0  # the same weights bit for bit: the same velocity
+                if not reuse:  # before the policy's forward: the swap writes the parameters its backward saves
+                    with torch.no_grad(), states.swapped_in("old"):
+                        v_old = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
                 v_ref = None
                 if n.ref_weight > 0:
                     with torch.no_grad(), adapter.lora_disabled():
                         v_ref = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
                 v = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
+                if reuse:
+                    v_old = v.detach()
                 terms = nft_loss(v, v_old, v_ref, x_t, x0, sigma_B.to(adapter.device), r_B[batch], n.beta,
                                  n.ref_weight, t.adv_clip_max, n.adaptive_weight_min)
                 (terms.loss.mean() / micro).backward()

@@ -44,6 +44,12 @@ def apply_parallelism(adapter, cfg: Config, world: World) -> str:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False
+        # one block code object serves several graphs: train/eval mode, grad on/off, adapters on/off/merged, with and
+        # without a text mask (DiffusionNFT alone uses four); past Dynamo's default limit of 8 it falls back to eager
+        # (seen on the H200, benchmarks/RESULTS.md run Q)
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         for block in adapter.transformer_blocks():
             block.compile(dynamic=True)
     world.strategy = strategy
