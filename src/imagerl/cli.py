@@ -142,7 +142,7 @@ def _bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="imagerl", description="Online RL (Flow-GRPO) for flow-matching text-to-image models")
+    parser = argparse.ArgumentParser(prog="imagerl", description="Online RL (Flow-GRPO, DiffusionNFT) for flow-matching text-to-image models")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train with a recipe and dotted overrides (section.key=value)")
     p.add_argument("--recipe", default="quickstart", help="bundled recipe name or YAML path (default: quickstart)")
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-batch", type=int, default=64)
     p.add_argument("--device", default="auto")
     p.set_defaults(fn=_build_quickstart_model)
-    p = sub.add_parser("bench", help="throughput and MFU of whole Flow-GRPO iterations on released-size random "
+    p = sub.add_parser("bench", help="throughput and MFU of whole RL iterations on released-size random "
                        "models (GPU), imagerl beside a diffusers + peft flow_grpo-style baseline")
     p.add_argument("--family", default="qwen_image", help="qwen_image (with the baseline) | qwen_image21")
     p.add_argument("--variant", action="append", default=[], help="'name:override,override' (repeatable), e.g. "
