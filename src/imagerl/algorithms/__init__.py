@@ -1,4 +1,4 @@
-"""Group advantages and the two policy updates. The loop (train.py) sees an algorithm through five methods:
+"""Group advantages and the two policy updates. The loop (train.py) sees an algorithm through six methods:
 generate (the rollout it needs), update, forwards_per_update (progress), rollout_metrics, evaluation_weights
 (what eval and exports use) and checkpoint_state (tensors it keeps beside the LoRA)."""
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from imagerl.algorithms.flow_grpo import global_clip_grad_norm_
+from imagerl.algorithms.flow_grpo import TrainStats, global_clip_grad_norm_
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
 from imagerl.distributed.rng import make_generator
@@ -105,8 +105,7 @@ class NFTStats:
     old_decay: float
     ema_decay: float
 
-    def as_metrics(self) -> dict[str, float]:
-        return {f"train/{k}": v for k, v in self.__dict__.items()}
+    as_metrics = TrainStats.as_metrics  # {"train/<field>": value}
 
 
 def trained_timesteps(num_steps: int, fraction: float) -> int:
