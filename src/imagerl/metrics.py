@@ -285,9 +285,22 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pairs], [float(p[1]) for p in pairs]
 
 
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Centred moving average over `window` points (odd; shrinks to what exists at the ends)."""
+    half = window // 2
+    return [sum(values[max(0, i - half): i + half + 1]) / len(values[max(0, i - half): i + half + 1])
+            for i in range(len(values))]
+
+
+def smoothing_window(n: int) -> int:
+    """An odd window of about a tenth of the curve, at least 3 (1 for curves shorter than 6)."""
+    return 1 if n < 6 else max(3, (n // 10) | 1)
+
+
 def plot_rewards(records: list[dict], out: Path, title: str = "") -> Path:
-    """Train reward (rollout/reward/raw_mean with a +-raw_std band) and held-out reward
-    (eval/reward/raw_mean, markers) against rollout; either may be absent."""
+    """Train reward (rollout/reward/raw_mean, and its moving average over a tenth of the run, bold) and held-out
+    reward (eval/reward/raw_mean, markers) against rollout; either may be absent. The spread of single samples
+    (raw_std, often larger than the whole learning effect) is in the legend, not drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,11 +310,14 @@ def plot_rewards(records: list[dict], out: Path, title: str = "") -> Path:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     steps, mean = _series(records, "rollout/reward/raw_mean")
     if steps:
-        std = dict(zip(*_series(records, "rollout/reward/raw_std")))
-        lo = [m - std.get(s, 0.0) for s, m in zip(steps, mean)]
-        hi = [m + std.get(s, 0.0) for s, m in zip(steps, mean)]
-        ax.fill_between(steps, lo, hi, alpha=0.2, color="C0", linewidth=0, label="train reward ± std")
-        ax.plot(steps, mean, color="C0", marker="o" if len(steps) < 30 else None, ms=3, label="train reward (mean)")
+        stds = _series(records, "rollout/reward/raw_std")[1]
+        spread = f", sample std {sum(stds) / len(stds):.2g}" if stds else ""
+        ax.plot(steps, mean, color="C0", alpha=0.45, linewidth=1, marker="o" if len(steps) < 30 else None, ms=2,
+                label=f"train reward (rollout mean{spread})")
+        window = smoothing_window(len(steps))
+        if window > 1:
+            ax.plot(steps, smoothed(mean, window), color="C0", linewidth=2.5,
+                    label=f"train reward, moving average of {window}")
     eval_steps, eval_mean = _series(records, "eval/reward/raw_mean")
     if eval_steps:
         ax.plot(eval_steps, eval_mean, color="C3", marker="D", ms=6, linestyle="--", label="held-out reward (eval)")
