@@ -9,7 +9,7 @@ from imagerl.config import Config, available_recipes, load_config, recipe_dir, s
 from imagerl.validation import BatchPlan, validate
 
 # Pins the sizes the validation cases below rely on, so that retuning the quickstart recipe cannot break them.
-BASE = ["sample.prompts_per_rollout=4", "sample.group_size=4", "sample.batch_size=4", "train.num_optimizer_steps=2",
+BASE = ["train.algorithm=flow_grpo", "sample.prompts_per_rollout=4", "sample.group_size=4", "sample.batch_size=4", "train.num_optimizer_steps=2",
         "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_range=[0,5]", "sample.sde_window_start=3"]
 
 
@@ -125,7 +125,8 @@ def test_int_for_float_field_is_coerced():
 def test_overrides_apply_in_order_and_whole_sections_can_be_set():
     cfg = load_config("quickstart", ["train.lr=0.1", "train={lr: 0.2, num_rollouts: 3}", "run.tensorboard=false"])
     assert cfg.train.lr == 0.2 and cfg.train.num_rollouts == 3
-    assert cfg.train.clip_range == load_config("quickstart").train.clip_range != Config().train.clip_range
+    assert cfg.train.num_optimizer_steps == load_config("quickstart").train.num_optimizer_steps \
+        != Config().train.num_optimizer_steps
     # (untouched keys of the section keep the recipe's value, not the dataclass default)
     assert cfg.run.tensorboard is False
 

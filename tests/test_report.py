@@ -159,3 +159,11 @@ def test_eval_table_printed_at_the_end_of_training():
     single = [{k: v for k, v in r.items() if k != "eval/reward/ocr_mean"} for r in records]
     assert format_eval_table(single).splitlines()[1].split() == ["rollout", "reward"]
     assert format_eval_table(_train_records()) == ""  # no evaluation, no table
+
+
+def test_reward_plot_smooths_the_train_curve_over_about_a_tenth_of_the_run():
+    from imagerl.metrics import smoothed, smoothing_window
+
+    assert smoothed([1.0, 2.0, 3.0, 10.0], 3) == [1.5, 2.0, 5.0, 6.5]  # centred, shrinking at the ends
+    assert smoothed([4.0, 5.0], 1) == [4.0, 5.0]
+    assert [smoothing_window(n) for n in (5, 6, 20, 60, 200)] == [1, 3, 3, 7, 21]

@@ -312,9 +312,9 @@ def plot_rewards(records: list[dict], out: Path, title: str = "") -> Path:
     if steps:
         stds = _series(records, "rollout/reward/raw_std")[1]
         spread = f", sample std {sum(stds) / len(stds):.2g}" if stds else ""
-        ax.plot(steps, mean, color="C0", alpha=0.45, linewidth=1, marker="o" if len(steps) < 30 else None, ms=2,
-                label=f"train reward (rollout mean{spread})")
         window = smoothing_window(len(steps))
+        ax.plot(steps, mean, color="C0", alpha=0.45 if window > 1 else 1.0, linewidth=1 if window > 1 else 1.5,
+                marker="o" if len(steps) < 30 else None, ms=2, label=f"train reward (rollout mean{spread})")
         if window > 1:
             ax.plot(steps, smoothed(mean, window), color="C0", linewidth=2.5,
                     label=f"train reward, moving average of {window}")
