@@ -160,3 +160,20 @@ def test_group_stats_no_zero_std_groups():
     zero_ratio, std_mean, _ = ref_stats(r.double().numpy(), g.numpy())
     assert stats.zero_std_ratio == zero_ratio == 0.0
     assert abs(stats.reward_std_mean - std_mean) < 1e-12
+
+
+def test_group_ids_may_be_prompt_strings_ints_or_tensors_as_flow_grpo_groups_by_prompt():
+    from imagerl import group_advantages as exported
+
+    rewards = torch.tensor([1.0, 3.0, 2.0, 6.0], dtype=torch.float64)
+    by_tensor = group_advantages(rewards, torch.tensor([0, 0, 1, 1]), global_std=True)
+    for ids in (["a", "a", "b", "b"], [7, 7, 3, 3], [torch.tensor(5), torch.tensor(5), torch.tensor(2), torch.tensor(2)],
+                ("x", "x", ("t", 1), ("t", 1))):
+        assert torch.equal(exported(rewards, ids, global_std=True), by_tensor)
+        assert torch.equal(group_advantages(rewards, ids, global_std=False),
+                           group_advantages(rewards, torch.tensor([0, 0, 1, 1]), global_std=False))
+    # a prompt twice in one rollout is one group of 2K, as flow_grpo's per-prompt tracker
+    assert torch.equal(group_advantages(rewards, ["p", "q", "p", "q"], global_std=True),
+                       group_advantages(rewards, torch.tensor([0, 1, 0, 1]), global_std=True))
+    with pytest.raises(ValueError, match="hashable"):
+        group_advantages(rewards, [[1], [1], [2], [2]], global_std=True)

@@ -13,6 +13,21 @@ from dataclasses import dataclass
 import torch
 
 
+def as_group_ids(group_ids) -> torch.Tensor:
+    """Group ids as a 1-D integer tensor: a tensor or array as it is; any other sequence of hashable ids (prompt
+    strings as flow_grpo groups by, ints, 0-d tensors) coded by first appearance (equal ids, equal codes)."""
+    if isinstance(group_ids, torch.Tensor):
+        return group_ids
+    if type(group_ids).__module__ == "numpy":
+        return torch.as_tensor(group_ids)
+    codes: dict = {}
+    try:
+        return torch.tensor([codes.setdefault(g.item() if isinstance(g, torch.Tensor) else g, len(codes))
+                             for g in group_ids], dtype=torch.long)
+    except TypeError as e:  # an unhashable id (a list, a multi-element tensor)
+        raise ValueError(f"group ids must be hashable (str, int, 0-d tensor) or one integer tensor: {e}") from e
+
+
 def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     _, inverse = torch.unique(torch.as_tensor(group_ids), return_inverse=True)
     return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
@@ -37,7 +52,7 @@ def group_advantages(rewards: torch.Tensor, group_ids, *, global_std: bool, eps:
     rewards = torch.as_tensor(rewards)
     if rewards.ndim != 1:
         raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
-    group_ids = torch.as_tensor(group_ids)
+    group_ids = as_group_ids(group_ids)
     if group_ids.shape != rewards.shape:
         raise ValueError(f"group_ids shape {tuple(group_ids.shape)} != rewards shape {tuple(rewards.shape)}")
     if not torch.isfinite(rewards).all():
@@ -56,7 +71,7 @@ class GroupStats:
 
 
 def group_stats(rewards: torch.Tensor, group_ids) -> GroupStats:
-    group_ids = torch.as_tensor(group_ids)
+    group_ids = as_group_ids(group_ids)
     _, std = _group_stats(torch.as_tensor(rewards), group_ids)
     _, first = _unique_first(group_ids)
     std_g = std[first]
