@@ -89,14 +89,18 @@ def test_rollout_with_merged_off_window_steps_replays_exactly(tiny_checkpoint, t
     torch.testing.assert_close(merged.images_B3HW, plain.images_B3HW, rtol=1e-3, atol=1e-3)
 
 
-def test_merge_lora_is_refused_under_fsdp(tiny_checkpoint, tmp_path):
+def test_merge_lora_is_turned_off_with_a_warning_under_fsdp(tiny_checkpoint, tmp_path):
+    """A one-GPU speed setting: under FSDP (sharded weights) the recipe still runs, unmerged, and says so."""
     from imagerl.validation import validate
 
     cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.merge_lora=true", "train.num_optimizer_steps=1")
-    with pytest.raises(ValueError, match="sample.merge_lora needs unsharded weights"):
+    with pytest.warns(UserWarning, match="sample.merge_lora has no effect under FSDP"):
         validate(cfg, world_size=2)
-    cfg.parallel.strategy = "replicate"
+    assert cfg.sample.merge_lora is False
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.merge_lora=true", "train.num_optimizer_steps=1",
+                      "parallel.strategy=replicate")
     validate(cfg, world_size=2)
+    assert cfg.sample.merge_lora is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

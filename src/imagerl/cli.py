@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 
 def _train(args) -> int:
     from imagerl.config import load_config
+    from imagerl.console import quiet_other_ranks
     from imagerl.train import train
+
+    quiet_other_ranks()  # torchrun: rank 0 prints progress and summaries
 
     flags = [f"model.path={args.model}"] if args.model else []
     flags += [f"model.family={args.family}"] if args.family else []
@@ -19,7 +21,7 @@ def _train(args) -> int:
     if args.output_dir:
         cfg.run.output_dir = args.output_dir
     run_dir = train(cfg, resume=args.resume)
-    if int(os.environ.get("RANK", "0")) == 0 and (run_dir / "metrics.jsonl").is_file():
+    if (run_dir / "metrics.jsonl").is_file():
         from imagerl.report import format_eval_table, load_run
 
         table = format_eval_table(load_run(run_dir))

@@ -94,7 +94,8 @@ class SampleConfig:
     group_size: int = 16
     """Samples per prompt K (flow_grpo: 16)."""
     batch_size: int = 4
-    """Samples per rollout forward per rank (CFG doubles the rows). The SDE-window steps run in sub-batches of
+    """Samples per rollout forward per rank (CFG doubles the rows), at most: above a rank's samples per rollout it
+    is lowered to them (and train.batch_size, if larger, to it). The SDE-window steps run in sub-batches of
     train.batch_size, the batches the training forwards replay."""
     same_initial_noise: bool = False
     """All K samples of a group start from the same initial noise (flow_grpo's `sample.same_latent`): the

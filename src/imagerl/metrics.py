@@ -388,7 +388,11 @@ def plot_reward_curve(run_dir: Path, out: Path | None = None) -> Path:
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it", leave: bool = True):
+    """A tqdm bar on standard error, drawn only when `enabled` and on a terminal (console.interactive): in a log
+    file the per-rollout lines that MetricsLogger echoes through bar.write are the progress."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, unit=unit, leave=leave, file=sys.stderr,
-                dynamic_ncols=True)
+    from imagerl.console import interactive
+
+    return tqdm(total=total, desc=desc, disable=not (enabled and interactive()), unit=unit, leave=leave,
+                file=sys.stderr, dynamic_ncols=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from imagerl.algorithms.advantages import rollout_advantages
 from imagerl.checkpoint import check_resume_algorithm, load_checkpoint, resolve_resume, save_checkpoint
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
+from imagerl.console import format_duration, quiet_library_progress
 from imagerl.data import GroupSampler, load_train_test
 from imagerl.distributed.fsdp import apply_parallelism, set_deterministic
 from imagerl.distributed.parallel import init_world, resolve_device
@@ -26,6 +28,7 @@ from imagerl.validation import validate
 
 def train(cfg: Config, resume: str | None = None) -> Path:
     """Run cfg.train.num_rollouts rollouts (continuing a checkpoint with `resume`); return the run directory."""
+    quiet_library_progress()  # in a log file: no loading bars either
     if cfg.parallel.deterministic:  # before CUDA starts (CUBLAS_WORKSPACE_CONFIG)
         set_deterministic(cfg.run.seed, resolve_device(cfg.model.device))
     world = init_world(cfg.model.device)
@@ -62,6 +65,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
         logger.log(0, {**maybe_eval(0, force=True), **timer.pop_metrics()})
     bar = progress_bar(cfg.train.num_rollouts, "rollouts", world.is_main, unit="rollout")
     bar.update(start)
+    loop_start = time.perf_counter()
 
     with GCFreeze(cfg.run.gc_freeze) as gc_freeze:  # one collection + gc.freeze() after the first rollout
         for step in range(start, cfg.train.num_rollouts):
@@ -86,7 +90,9 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             metrics.update({**timer.pop_metrics(), **memory_metrics(world.device)})
             iteration_s = metrics["time/total_s"] - metrics.get("time/eval_s", 0.0)
             metrics["perf/images_per_s"] = plan.samples_per_rank * world.size / iteration_s
-            logger.log(done, metrics, echo=bar.write)
+            eta = (time.perf_counter() - loop_start) / (done - start) * (cfg.train.num_rollouts - done)
+            logger.log(done, metrics, echo=lambda line: bar.write(
+                f"{line}  [{done}/{cfg.train.num_rollouts}, eta {format_duration(eta)}]"))
             bar.set_postfix(reward=f"{metrics['rollout/reward/raw_mean']:.4g}")
             bar.update(1)
             if world.is_main and cfg.run.image_grid_every and (done % cfg.run.image_grid_every == 0 or done == 1):

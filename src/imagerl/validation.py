@@ -4,6 +4,7 @@ be checked before a model loads, with an error that says how to fix it."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 from imagerl.config import Config
@@ -45,6 +46,13 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             raise ValueError(f"{key} must be >= 1, got {value}")
     if not 1 <= world_size:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    samples = s.prompts_per_rollout * s.group_size
+    if s.prompts_per_rollout % world_size == 0 and s.batch_size > samples // world_size:
+        # sample.batch_size is a per-rank ceiling: a recipe's one-forward-per-rollout batch (quickstart: 128) runs
+        # unchanged on more ranks (the rank's samples in one forward; the same images, keyed noise)
+        s.batch_size = samples // world_size
+        if t.batch_size > s.batch_size:
+            t.batch_size = 0
     if t.batch_size < 0 or (t.batch_size and s.batch_size % t.batch_size):
         raise ValueError(f"train.batch_size={t.batch_size} must divide sample.batch_size={s.batch_size} (the rollout's "
                          "SDE-window steps run in training-sized sub-batches), or be 0 for sample.batch_size")
@@ -96,8 +104,11 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
 
     if validate_parallel(cfg, world_size) == "fsdp" and s.merge_lora:
-        raise ValueError("sample.merge_lora needs unsharded weights: set sample.merge_lora=false under FSDP, or "
-                         "parallel.strategy=replicate")
+        # a one-GPU speed setting of the bundled recipes: under FSDP the weights are sharded, so the rollout runs
+        # unmerged (the same function) and the recipe still runs unchanged
+        warnings.warn("sample.merge_lora has no effect under FSDP (sharded weights): the rollout runs the unmerged "
+                      "LoRA; parallel.strategy=replicate keeps it", stacklevel=2)
+        s.merge_lora = False
 
     samples = s.prompts_per_rollout * s.group_size
     if s.prompts_per_rollout % world_size:

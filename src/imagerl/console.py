@@ -1,0 +1,77 @@
+"""What a run prints, and where: progress bars only on a terminal, one line per rollout otherwise; only rank 0 of a
+multi-process run prints progress and summaries, the other ranks' warnings and errors keep a `[rank N]` prefix."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+
+def interactive() -> bool:
+    """Progress bars redraw in place only on a terminal: in a file or a pipe they are a stream of carriage-return
+    redraws. IMAGERL_PROGRESS=1 / 0 forces them on / off."""
+    forced = os.environ.get("IMAGERL_PROGRESS")
+    if forced is not None:
+        return forced not in ("0", "", "false", "no")
+    return sys.stderr.isatty()
+
+
+def format_duration(seconds: float) -> str:
+    """'42s', '3m05s', '1h02m'."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class RankPrefixed(io.TextIOBase):
+    """A text stream that writes each complete line to `stream` as '[rank N] line'; progress-bar redraws (text
+    with carriage returns) are dropped."""
+
+    def __init__(self, stream, rank: int):
+        self.stream, self.prefix, self._pending = stream, f"[rank {rank}] ", ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            if "\r" not in line and line.strip():
+                self.stream.write(self.prefix + line + "\n")
+        self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def quiet_other_ranks() -> None:
+    """On ranks other than 0 (torchrun's RANK): standard output (progress, tables, summaries) is dropped, standard
+    error keeps warnings and errors with a rank prefix, and the libraries' own progress bars are off."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        return
+    sys.stdout = open(os.devnull, "w")
+    sys.stderr = RankPrefixed(sys.__stderr__, rank)
+    os.environ["IMAGERL_PROGRESS"] = "0"
+    quiet_library_progress()
+
+
+def quiet_library_progress() -> None:
+    """Without a terminal (or on ranks other than 0) the libraries' loading bars ("Loading weights") are off too."""
+    if interactive():
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    for module in ("diffusers.utils.logging", "transformers.utils.logging"):
+        try:
+            __import__(module, fromlist=["disable_progress_bar"]).disable_progress_bar()
+        except ImportError:
+            pass
