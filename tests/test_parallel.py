@@ -59,8 +59,10 @@ def test_each_prompts_k_samples_exist_exactly_once_across_ranks(world):
 def test_invalid_world_size_combinations_are_rejected_clearly():
     with pytest.raises(ValueError, match=r"sample.prompts_per_rollout=3 must be divisible by the 2 ranks"):
         validate(_config(2, 3, 4, 4), 2)
-    with pytest.raises(ValueError, match=r"not a multiple of sample.batch_size=4"):
-        validate(_config(4, 4, 2, 4), 4)
+    with pytest.raises(ValueError, match=r"not a multiple of sample.batch_size=2"):
+        validate(_config(4, 4, 3, 2), 4)  # 3 samples per rank in batches of 2
+    cfg = _config(4, 4, 2, 4)  # a batch above a rank's 2 samples is a ceiling: lowered to them
+    assert validate(cfg, 4).samples_per_rank == 2 and cfg.sample.batch_size == 2
     with pytest.raises(ValueError, match=r"train.num_optimizer_steps=2"):
         validate(_config(2, 2, 3, 3, opt_steps=2), 2)
 

@@ -7,17 +7,21 @@
   dcp/                                                   torch.distributed.checkpoint: the trainable params
                                                          ("model", LoRA) and AdamW state ("optim"), by FQN,
                                                          each rank writing its shards; loads on any world size
-  rng/rank_00000.pt ...                                  torch / python / numpy / cuda RNG states of each rank
-  state.json                                             rollout step, world size, config (written last)
+  rng/rank_00000.safetensors ...                         torch / python / numpy / cuda RNG states of each rank
+                                                         (tensors + JSON metadata: nothing is unpickled)
+  state.json                                             rollout step, world size, config and the SHA-256 of
+                                                         every other file (written last)
 Full fine-tuning (`imagerl sft` with lora_rank=0) writes, instead of lora/ and dcp/'s "model":
   model/                                                 a complete diffusers-format checkpoint: the base
                                                          checkpoint's other components as symlinks, the
                                                          trained transformer/ (float32 master weights)
-Older checkpoints (optimizer.pt + rng.pt instead of dcp/ + rng/) still load.
+Loading verifies every file's checksum and reads DCP's pickled .metadata with an unpickler that builds only
+checkpoint-metadata types, so a corrupt or crafted checkpoint is refused before anything in it runs or trains.
 
 A checkpoint is built in <name>.tmp by all ranks; after a barrier rank 0 writes state.json and renames
-it into place, so a crash never leaves a checkpoint under a final name (latest_checkpoint also ignores
-directories without state.json). Multi-node runs need the run directory on a shared filesystem. Every
+it into place (an existing one renamed aside first), so a crash never leaves a checkpoint under a final name
+half-written, and resume recovers a complete .tmp or .old (latest_checkpoint also ignores directories without
+a readable state.json). Multi-node runs need the run directory on a shared filesystem. Every
 random stream of a run is derived from (seed, step, ...) (distributed/rng.py) and the prompt sampler's
 position from the step, so resuming from step n reproduces the uninterrupted run, on any world size.
 """
@@ -132,19 +136,143 @@ def _commit(run_dir: Path, step: int, final: Path, tmp: Path, module, optimizer,
     state.update(extra or {})
     dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not _distributed())
     (tmp / "rng").mkdir(exist_ok=True)
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-               tmp / "rng" / f"rank_{world.rank:05d}.pt")
+    _save_rng(tmp / "rng" / f"rank_{world.rank:05d}.safetensors")
     world.barrier()  # every rank's files are complete before the checkpoint becomes valid
     if world.is_main:
-        (tmp / "state.json").write_text(json.dumps({"step": step, "world_size": world.size, "config": config},
-                                                   indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        state = {"step": step, "world_size": world.size, "config": config, "sha256": _checksums(tmp)}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        _swap_into_place(tmp, final)
         _prune(run_dir, keep)
     world.barrier()
     return final
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    """tmp -> final without a moment in which neither is complete: an existing final is renamed aside first and
+    removed last. A kill in between leaves a complete step_N.tmp or step_N.old that resolve_resume recovers."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _checksums(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file below `directory` (but state.json, which holds them), by relative path."""
+    import hashlib
+
+    import os
+
+    files = [Path(root) / name for root, _, names in os.walk(directory) for name in names]  # links not followed
+    sums = {}
+    # symlinks (a full fine-tuning checkpoint's links to the base model's components) are not the checkpoint's
+    for path in sorted(p for p in files if not p.is_symlink() and p.name != "state.json"):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+        sums[path.relative_to(directory).as_posix()] = digest.hexdigest()
+    return sums
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The checkpoint's state.json, after checking that every file it lists has its SHA-256, that no file is
+    missing or unlisted, and that dcp/.metadata unpickles to torch.distributed.checkpoint's metadata types only
+    (torch's loader unpickles it: a crafted one could run code). ValueError names the first bad file."""
+    state = read_state(path)
+    expected = state.get("sha256")
+    if expected is None:
+        raise ValueError(f"{path}: state.json has no checksums (a checkpoint from an older imagerl, or edited); "
+                         "imagerl only resumes checksummed checkpoints")
+    actual = _checksums(path)
+    for name in sorted(set(expected) | set(actual)):
+        if name not in actual:
+            raise ValueError(f"{path}: {name} is missing (listed in state.json); the checkpoint is incomplete")
+        if name not in expected:
+            raise ValueError(f"{path}: {name} is not part of the checkpoint (not in state.json's checksums)")
+        if actual[name] != expected[name]:
+            raise ValueError(f"{path}: {name} does not match its checksum: the file is corrupt or was modified; "
+                             "resume from an earlier checkpoint (--resume <run>/checkpoints/step_N)")
+    if (path / "dcp" / ".metadata").is_file():
+        _check_dcp_metadata(path / "dcp" / ".metadata")
+    return state
+
+
+# what torch.distributed.checkpoint's .metadata pickle may construct (read off its files with pickletools): the
+# metadata dataclasses, torch sizes, dtypes and layouts, paths; nothing that can call out
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # dataclasses and enums only
+_DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                         ("torch.serialization", "_get_layout"), ("torch", "Size"),
+                         ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                         ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+_DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+def _check_dcp_metadata(path: Path) -> None:
+    """Unpickle DCP's .metadata with an unpickler that constructs only checkpoint-metadata types (no callable
+    outside them, e.g. os.system): a crafted file is refused before torch's own loader unpickles it."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module == _DCP_METADATA_MODULE or (module, name) in _DCP_METADATA_GLOBALS
+                    or (module == "torch" and name in _DTYPES)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+    try:
+        with open(path, "rb") as f:
+            metadata = Restricted(f).load()
+    except Exception as e:  # any failure: not the metadata torch.distributed.checkpoint writes
+        raise ValueError(f"{path} is not a torch.distributed.checkpoint metadata file ({type(e).__name__}: {e}); "
+                         "refusing to load it") from e
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata; refusing to load it")
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's state.json, with errors that name the file."""
+    file = path / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{file} is not an imagerl checkpoint state (no integer 'step')")
+    return state
+
+
+def _save_rng(file: Path) -> None:
+    """This process's RNG states as tensors (safetensors) and JSON metadata: nothing that loads by unpickling."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda_{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    version, internal, gauss = random.getstate()
+    save_file(tensors, file, metadata={"python": json.dumps([version, list(internal), gauss]),
+                                       "numpy": json.dumps([kind, int(pos), int(has_gauss), float(cached)])})
+
+
+def _load_rng(file: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    torch.set_rng_state(tensors["torch"])
+    version, internal, gauss = json.loads(meta["python"])
+    random.setstate((version, tuple(internal), gauss))
+    kind, pos, has_gauss, cached = json.loads(meta["numpy"])
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 
 
 def save_model_dir(base: Path, transformer, out: Path, link: bool) -> Path:
@@ -173,27 +301,62 @@ def _prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
+def recover_interrupted(run_dir: Path) -> None:
+    """Finish a swap that a kill interrupted (_swap_into_place): step_N.tmp with its state.json written (complete)
+    becomes step_N when step_N is gone; a step_N.old with no step_N goes back."""
+    ckpts = run_dir / "checkpoints"
+    for suffix in (".tmp", ".old"):
+        for p in sorted(ckpts.glob(f"step_*{suffix}")) if ckpts.is_dir() else []:
+            final = p.with_name(p.name.removesuffix(suffix))
+            if not final.exists() and (p / "state.json").is_file():
+                p.rename(final)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose state.json reads; a broken one is skipped with a warning naming it."""
+    import warnings
+
+    recover_interrupted(run_dir)
     done = sorted(p for p in (run_dir / "checkpoints").glob("step_*")
-                  if not p.name.endswith(".tmp") and (p / "state.json").is_file())
-    return done[-1] if done else None
+                  if not p.name.endswith((".tmp", ".old")) and (p / "state.json").is_file())
+    for p in reversed(done):
+        try:
+            read_state(p)
+            return p
+        except ValueError as e:
+            warnings.warn(f"skipping checkpoint {p}: {e}", stacklevel=2)
+    return None
 
 
-def check_resume_algorithm(path: Path, algorithm: str) -> None:
-    """A checkpoint resumes only the train.algorithm that wrote it (their states differ)."""
-    try:
-        saved = json.loads((path / "state.json").read_text())["config"]["train"].get("algorithm", "flow_grpo")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--resume {path}: cannot read state.json ({type(e).__name__}: {e})") from e
-    if saved != algorithm:
-        raise ValueError(f"--resume {path}: the checkpoint was written by train.algorithm={saved}, this run is "
-                         f"train.algorithm={algorithm}; resume with train.algorithm={saved} or start a new run")
+# settings a resumed run cannot change: the LoRA's shape, the algorithm's state, the random streams, the groups
+FIXED_ON_RESUME = ("train.algorithm", "run.seed", "model.path", "model.family", "model.lora_rank", "model.lora_alpha",
+                   "model.lora_init", "model.lora_target_modules", "sample.prompts_per_rollout", "sample.group_size")
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in config.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and k != "weights" else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resume_config(path: Path, config: dict) -> list[str]:
+    """Compare this run's config with the checkpoint's: a changed FIXED_ON_RESUME key is refused (ValueError naming
+    it); return the other changed keys, which the resumed run applies (train.py sets the optimizer's
+    hyperparameters from the config after loading its state)."""
+    saved, now = _flat(read_state(path).get("config", {})), _flat(config)
+    for key in FIXED_ON_RESUME:
+        if key in saved and saved[key] != now.get(key):
+            raise ValueError(f"--resume {path}: the checkpoint was written by {key}={saved[key]}, this run has "
+                             f"{key}={now.get(key)}; a resumed run keeps {key}: drop the override or start a new run")
+    return sorted(k for k in now if k in saved and saved[k] != now[k] and k != "recipe")
 
 
 def resolve_resume(resume: str, run_dir: Path) -> Path:
     """`latest` (in this run's directory), a run directory, or a checkpoint directory."""
     path = run_dir if resume == "latest" else Path(resume)
     if (path / "state.json").is_file():
+        read_state(path)  # a named checkpoint must read; "latest" falls back past broken ones
         return path
     found = latest_checkpoint(path) if path.is_dir() else None
     if found is None:
@@ -204,11 +367,16 @@ def resolve_resume(resume: str, run_dir: Path) -> Path:
 def load_checkpoint(path: Path, adapter, optimizer, world: World | None = None, extra: dict | None = None) -> int:
     """Restore LoRA, optimizer and RNG (every rank; any world size); return the rollout step the checkpoint
     was taken after. extra: tensors saved with save_checkpoint(extra=...), loaded into in place."""
-    if (path / "dcp").is_dir():
-        _load_distributed(path, adapter.transformer, optimizer, with_model=True, extra=extra)
-    else:  # an older single-process checkpoint
-        state = load_file(path / "lora" / "adapter_model.safetensors")
-        adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
+    verify_checkpoint(path)
+    if not (path / "dcp").is_dir():
+        raise ValueError(f"{path} has no dcp/ (a checkpoint from an older imagerl, whose optimizer and RNG files "
+                         "are pickles, which imagerl no longer loads); start a new run from its lora/ instead")
+    _load_distributed(path, adapter.transformer, optimizer, with_model=True, extra=extra)
+    bad = [name for name, p in adapter.transformer.named_parameters()
+           if p.requires_grad and not torch.isfinite(p.detach()).all()]
+    if bad:
+        raise ValueError(f"{path}: the LoRA weight {bad[0]} (and {len(bad) - 1} more) is not finite; resume from "
+                         "an earlier checkpoint")
     return _restore(path, optimizer, world or _ONE)
 
 
@@ -218,6 +386,7 @@ def load_full_checkpoint(path: Path, transformer, optimizer) -> int:
     if not (path / "model" / "transformer").is_dir():
         raise ValueError(f"{path} is not a full fine-tuning checkpoint (no model/transformer/); it was written by "
                          "a LoRA run: resume with the same lora_rank")
+    verify_checkpoint(path)
     saved = type(transformer).from_pretrained(path / "model", subfolder="transformer", torch_dtype=torch.float32)
     transformer.load_state_dict(saved.state_dict())
     del saved
@@ -270,14 +439,7 @@ def _load_distributed(path: Path, module, optimizer, with_model: bool, extra: di
 
 
 def _restore(path: Path, optimizer, world: World) -> int:
-    if not (path / "dcp").is_dir():  # an older single-process checkpoint
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     # this rank's RNG, else rank 0's (resuming on more ranks; no stream of a run depends on it, see rng.py)
-    files = [path / "rng" / f"rank_{world.rank:05d}.pt", path / "rng" / "rank_00000.pt", path / "rng.pt"]
-    rng = torch.load(next((f for f in files if f.is_file()), files[-1]), weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return json.loads((path / "state.json").read_text())["step"]
+    files = [path / "rng" / f"rank_{world.rank:05d}.safetensors", path / "rng" / "rank_00000.safetensors"]
+    _load_rng(next((f for f in files if f.is_file()), files[-1]))
+    return read_state(path)["step"]

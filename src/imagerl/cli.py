@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError, RewardError) as e:
         print(f"imagerl: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an unwritable path, a full disk: the message names the path (FileExistsError: above)
+        print(f"imagerl: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -269,7 +269,12 @@ class Config:
 
     @property
     def output_dir(self) -> Path:
-        return Path(self.run.output_dir.format(recipe=self.recipe))
+        try:
+            return Path(self.run.output_dir.format(recipe=self.recipe))
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:  # '{nope}', '{0}', '{', ...
+            raise ValueError(f"run.output_dir={self.run.output_dir!r} is not a valid template ({type(e).__name__}: "
+                             f"{e}); the only placeholder available is {{recipe}} (write a literal brace as {{{{ "
+                             "or }})") from e
 
 
 # ---------------------------------------------------------------- loading and overrides

@@ -138,10 +138,22 @@ class MetricsLogger:
                                  dir=str(self.run_dir), config=config.to_dict() if config is not None else None)
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop lines of rollouts after the checkpoint so the file has no duplicates."""
-        if self.enabled and self.path.is_file():
-            lines = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-            self.path.write_text("".join(l + "\n" for l in lines))
+        """On resume: drop lines of rollouts after the checkpoint so the file has no duplicates, and lines that do
+        not parse (a line torn by a kill mid-write), with a warning."""
+        if not (self.enabled and self.path.is_file()):
+            return
+        import warnings
+
+        kept = []
+        for number, line in enumerate(self.path.read_text().splitlines(), 1):
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                warnings.warn(f"{self.path}: line {number} is not JSON (cut off?); dropped", stacklevel=2)
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept.append(line)
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float], echo=print) -> None:
         if not self.enabled:

@@ -10,7 +10,8 @@ import torch
 
 from imagerl.algorithms import make_algorithm
 from imagerl.algorithms.advantages import rollout_advantages
-from imagerl.checkpoint import check_resume_algorithm, load_checkpoint, resolve_resume, save_checkpoint
+from imagerl.algorithms.flow_grpo import NonFiniteError
+from imagerl.checkpoint import check_resume_config, load_checkpoint, resolve_resume, save_checkpoint
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
 from imagerl.console import format_duration, quiet_library_progress
@@ -23,7 +24,7 @@ from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_rew
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
 from imagerl.scoring import AsyncScorer, ScoredRollout
-from imagerl.validation import validate
+from imagerl.validation import check_output_dir, validate
 
 
 def train(cfg: Config, resume: str | None = None) -> Path:
@@ -38,9 +39,10 @@ def train(cfg: Config, resume: str | None = None) -> Path:
         require_wandb()
     train_set, test_set = load_train_test(cfg.data)
     run_dir = cfg.output_dir
+    if world.is_main:
+        check_output_dir(run_dir)  # unwritable or full: said now, not after the model loads and a rollout runs
     resume_from = resolve_resume(resume, run_dir) if resume else None
-    if resume_from:
-        check_resume_algorithm(resume_from, cfg.train.algorithm)
+    changed = check_resume_config(resume_from, cfg.to_dict()) if resume_from else []
     scorer = Scorer(cfg.reward, world.device)
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
@@ -48,14 +50,21 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     adapter = load_adapter(cfg, world)  # LoRA added, activation checkpointing on
     resolve_family_defaults(cfg, adapter)
     apply_parallelism(adapter, cfg, world)  # compile, shard (FSDP2); before the optimizer sees the params
-    if world.is_main:
+    if world.is_main:  # a resumed run keeps the original config.yaml and records its own beside it
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+        save_config(cfg, run_dir / ("config.yaml" if resume_from is None else f"config.resumed_{resume_from.name}.yaml"))
     optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
     algo = make_algorithm(cfg, adapter)
     scoring = AsyncScorer(scorer, enabled=cfg.reward.async_scoring)
     sampler = GroupSampler(train_set, cfg.sample.prompts_per_rollout, cfg.run.seed, world.rank, world.size)
     start = load_checkpoint(resume_from, adapter, optimizer, world, algo.checkpoint_state()) if resume_from else 0
+    if resume_from:  # the optimizer state carries the checkpoint's hyperparameters: this run's apply
+        t = cfg.train
+        for group in optimizer.param_groups:
+            group.update(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+        if world.is_main:
+            print(f"resuming {run_dir} after rollout {start} from {resume_from}"
+                  + (f"; changed settings, applied: {', '.join(changed)}" if changed else ""))
     save = _saver(cfg, adapter, optimizer, algo, run_dir, world)
     logger = MetricsLogger(run_dir, world.is_main, cfg.run.tensorboard, wandb=cfg.run.wandb, config=cfg)
     logger.truncate_after(start)
@@ -80,7 +89,11 @@ def train(cfg: Config, resume: str | None = None) -> Path:
                 _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, save)
             with timer("train"), progress_bar(algo.forwards_per_update(plan.batches_per_rank), "  train",
                                               world.is_main, "fwd", False) as pb:
-                stats = algo.update(adapter, rollout, advantages, optimizer, world, step, progress=pb)
+                try:
+                    stats = algo.update(adapter, rollout, advantages, optimizer, world, step, progress=pb)
+                except NonFiniteError as e:  # raised before the optimizer step: the weights are the last good ones
+                    raise NonFiniteError(f"rollout {step + 1}: {e}; nothing was saved after the last checkpoint "
+                                         f"({cfg.output_dir / 'checkpoints'})") from e
 
             done = step + 1
             metrics = {**reward_metrics, **_component_means(rewards, world), **algo.rollout_metrics(rollout),

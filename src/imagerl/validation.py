@@ -4,13 +4,17 @@ be checked before a model loads, with an error that says how to fix it."""
 from __future__ import annotations
 
 import math
+import os
+import string
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from imagerl.config import Config
 from imagerl.sampling.window import validate_window
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
+LATENT_PIXELS = 16  # sample.height/width step: VAE factor 8 x patch size 2 (QwenImageAdapter.latent_grid)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,13 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             raise ValueError(f"{key} must be >= 1, got {value}")
     if not 1 <= world_size:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for key, value in {"sample.height": s.height, "sample.width": s.width}.items():
+        if value % LATENT_PIXELS:  # qwen_image21 needs multiples of 32: its adapter checks when the model loads
+            raise ValueError(f"{key} must be a positive multiple of {LATENT_PIXELS} (the VAE's factor 8 x the "
+                             f"transformer's patch size 2, qwen_image latent_grid), got {value}")
+    if cfg.model.lora_alpha <= 0:
+        raise ValueError(f"model.lora_alpha must be > 0 (the LoRA scale is lora_alpha / lora_rank), got "
+                         f"{cfg.model.lora_alpha}")
     samples = s.prompts_per_rollout * s.group_size
     if s.prompts_per_rollout % world_size == 0 and s.batch_size > samples // world_size:
         # sample.batch_size is a per-rank ceiling: a recipe's one-forward-per-rollout batch (quickstart: 128) runs
@@ -79,10 +90,16 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
                        "train.adam_eps": t.adam_eps}.items():
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{key} must be a finite number >= 0, got {value}")
+    for key, value in {"train.adam_beta1": t.adam_beta1, "train.adam_beta2": t.adam_beta2}.items():
+        if not 0 <= value < 1:
+            raise ValueError(f"{key} must be in [0, 1) (an Adam moment decay), got {value}")
     if cfg.model.lora_init not in ("gaussian", "default"):
         raise ValueError(f"model.lora_init must be 'gaussian' or 'default', got {cfg.model.lora_init!r}")
     if not cfg.reward.weights:
         raise ValueError("reward.weights is empty: name at least one reward, e.g. reward.weights={jpeg_compressibility: 1.0}")
+    for name, weight in cfg.reward.weights.items():
+        if not math.isfinite(weight):  # negative weights are legitimate (a penalty)
+            raise ValueError(f"reward.weights.{name} must be a finite number, got {weight}")
     if cfg.reward.on_error not in ("error", "skip"):
         raise ValueError(f"reward.on_error must be 'error' or 'skip', got {cfg.reward.on_error!r}")
     if cfg.reward.dtype not in ("float32", "bfloat16"):
@@ -102,6 +119,7 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
                          f"{cfg.data.test_samples_per_prompt}")
     if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {cfg.model.dtype!r}")
+    validate_output_dir(cfg)
 
     if validate_parallel(cfg, world_size) == "fsdp" and s.merge_lora:
         # a one-GPU speed setting of the bundled recipes: under FSDP the weights are sharded, so the rollout runs
@@ -132,6 +150,33 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         )
     return BatchPlan(samples, s.prompts_per_rollout // world_size, per_rank, batches,
                      batches // t.num_optimizer_steps, samples // t.num_optimizer_steps)
+
+
+def validate_output_dir(cfg: Config) -> Path:
+    """run.output_dir formats (only {recipe}), and a recipe name put into it cannot leave its parent directory."""
+    out = cfg.output_dir  # ValueError for an unknown or malformed placeholder
+    uses_recipe = any(field is not None for _, field, _, _ in string.Formatter().parse(cfg.run.output_dir))
+    if uses_recipe and (not cfg.recipe or any(bad in cfg.recipe for bad in ("/", "\\", ".."))):
+        raise ValueError(f"recipe name {cfg.recipe!r} cannot be used in run.output_dir={cfg.run.output_dir!r}: it is "
+                         "empty or contains '/', '\\' or '..', so the run directory would leave its parent; rename the "
+                         "recipe or set run.output_dir (--output-dir) to a path without {recipe}")
+    return out
+
+
+def check_output_dir(path) -> Path:
+    """Create the run directory if needed and write and remove a probe file in it, before any model loads: an
+    unwritable path or a full disk is a ValueError naming the path and the OS reason."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"run.output_dir {path} is a file, not a directory; choose another with --output-dir")
+    probe = path / f".imagerl_write_probe_{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"imagerl")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"run.output_dir {path} is not writable: {e}; choose another with --output-dir") from e
+    return path
 
 
 def validate_nft(cfg: Config) -> None:

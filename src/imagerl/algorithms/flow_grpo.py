@@ -19,6 +19,7 @@ still the rollout policy, so it must be exactly 0 for an exact replay.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,11 +72,20 @@ def _step_log_prob(adapter, rollout: Rollout, batch: slice, j: int, cond, cfg: C
                          prev_sample=rollout.next_latents_BSNC[batch, j].to(adapter.device))
 
 
+class NonFiniteError(ValueError):
+    """A NaN/inf loss or gradient: the update stops before the optimizer step, the weights stay the last good ones."""
+
+
 def global_clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """clip_grad_norm_ over all ranks' shards: with FSDP2 the grads are DTensors and the returned total norm
-    is a DTensor whose full_tensor() reduces the shards' partial norms (the same number on every rank)."""
+    is a DTensor whose full_tensor() reduces the shards' partial norms (the same number on every rank). A
+    non-finite norm (the same on every rank) raises NonFiniteError: call this before optimizer.step()."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not math.isfinite(value):
+        raise NonFiniteError(f"the loss or its gradient is not finite (gradient norm {value}); the optimizer step "
+                             "was not taken, the weights are unchanged")
+    return value
 
 
 def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, optimizer: torch.optim.Optimizer,
