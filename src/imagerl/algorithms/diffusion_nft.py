@@ -141,8 +141,10 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
     done_before = rollout_step * t.num_optimizer_steps  # optimizer steps of earlier rollouts (k counts them all)
     # the old policy is an exact copy of the policy until this update's first optimizer step when the last refresh
     # copied (decay 0) or there was none; derived from the schedule, so the same on every rank and after a resume
-    old_is_policy = rollout_step == 0 or old_policy_decay(done_before, n.old_decay_flat, n.old_decay_rate,
-                                                          n.old_decay_cap) == 0.0
+    def old_decay_at(k: int) -> float:
+        return old_policy_decay(k, n.old_decay_flat, n.old_decay_rate, n.old_decay_cap)
+
+    old_is_policy = rollout_step == 0 or old_decay_at(done_before) == 0.0
     # loss, policy, ref, r, |v - v_old|, w+, w-, count: summed on the device, read once after the loop
     sums = torch.zeros(8, dtype=torch.float64, device=adapter.device)
     grad_norms, ema_decays = [], []
@@ -188,7 +190,7 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
             states.blend_toward_policy("ema", ema_decays[-1])
     adapter.transformer.eval()
     optimizer.zero_grad(set_to_none=True)
-    decay = old_policy_decay(done_before + t.num_optimizer_steps, n.old_decay_flat, n.old_decay_rate, n.old_decay_cap)
+    decay = old_decay_at(done_before + t.num_optimizer_steps)
     states.blend_toward_policy("old", decay)
 
     totals = world.all_reduce_mean_(sums.to(world.device)).cpu()  # equal counts per rank: mean of sums is fine

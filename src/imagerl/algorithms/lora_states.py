@@ -70,14 +70,7 @@ class LoraStates:
         else:
             torch._foreach_lerp_(state, self._locals, 1.0 - decay)
 
-    # checkpoint.py stores these with the parameters (torch.distributed.checkpoint: sharded, any world size)
+    # checkpoint.py stores these with the parameters and torch.distributed.checkpoint loads into them in place
+    # (sharded, any world size)
     def state_dict(self, param_names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
         return {name: dict(zip(param_names, tensors)) for name, tensors in self.states.items()}
-
-    @torch.no_grad()
-    def load_state_dict(self, loaded: dict[str, dict[str, torch.Tensor]], param_names: list[str]) -> None:
-        for name, tensors in self.states.items():
-            if name not in loaded:
-                raise ValueError(f"checkpoint has no {name!r} LoRA state (it was written by another algorithm?)")
-            for tensor, key in zip(tensors, param_names):
-                tensor.copy_(loaded[name][key])  # DTensor to DTensor: each rank its shard
