@@ -39,14 +39,14 @@ def train(cfg: Config, resume: str | None = None) -> Path:
         require_wandb()
     train_set, test_set = load_train_test(cfg.data)
     run_dir = cfg.output_dir
-    if world.is_main:
-        check_output_dir(run_dir)  # unwritable or full: said now, not after the model loads and a rollout runs
     resume_from = resolve_resume(resume, run_dir) if resume else None
     changed = check_resume_config(resume_from, cfg.to_dict()) if resume_from else []
     scorer = Scorer(cfg.reward, world.device)
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
 
+    if world.is_main:  # after every config error (it creates the directory), before the slow part
+        check_output_dir(run_dir)  # unwritable or full: said now, not after the model loads and a rollout runs
     adapter = load_adapter(cfg, world)  # LoRA added, activation checkpointing on
     resolve_family_defaults(cfg, adapter)
     apply_parallelism(adapter, cfg, world)  # compile, shard (FSDP2); before the optimizer sees the params
