@@ -83,9 +83,16 @@ def test_bench_without_a_gpu_says_so():
 def test_dry_bench_qwen_image21_counts_flops_with_and_without_kv_cache(tmp_path):
     rows = run_bench("qwen_image21", {"imagerl": [], "kv cache": ["sample.kv_cache=true"]}, warmup=0, iterations=1,
                      dry=True, out=tmp_path, echo=lambda *_: None)
-    assert [r.name for r in rows] == ["imagerl", "kv cache"]  # no baseline: it is Qwen-Image 1.0's loop
+    # the baseline: the 2.1 diffusers + peft loop (perf/baseline21.py) on QwenImage21Pipeline around the shared modules
+    assert [r.name for r in rows] == ["baseline (diffusers+peft)", "imagerl", "kv cache"]
     for r in rows:
+        assert r.images_per_s > 0 and r.train_pairs_per_s > 0
         assert r.rollout_mfu > 0 and r.train_mfu > 0 and r.log_prob_mean_abs_diff == 0.0
+    # the pipeline's encode_prompt and imagerl's encoder give the same text length (the same prompt, no padding)
+    assert rows[0].text_tokens == rows[1].text_tokens > 0
+    # and the baseline's FLOPs are the recipe row's (no CFG row, every block checkpointed, no KV cache, LoRA unmerged)
+    flops = [(r.rollout_mfu * r.rollout_s, r.train_mfu * r.train_s) for r in rows[:2]]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-9)
 
 
 def test_phase_probe_dry_run_times_each_kind_of_rollout_call(tmp_path):

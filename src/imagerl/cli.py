@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_build_quickstart_model)
     p = sub.add_parser("bench", help="throughput and MFU of whole RL iterations on released-size random "
                        "models (GPU), imagerl beside a diffusers + peft flow_grpo-style baseline")
-    p.add_argument("--family", default="qwen_image", help="qwen_image (with the baseline) | qwen_image21")
+    p.add_argument("--family", default="qwen_image", help="qwen_image | qwen_image21 (each with its diffusers + peft baseline)")
     p.add_argument("--variant", action="append", default=[], help="'name:override,override' (repeatable), e.g. "
                    "'compile b8:parallel.compile=true,sample.batch_size=8'; default: the family's standard set")
     p.add_argument("--algorithm", default="flow_grpo", help="flow_grpo | diffusion_nft (default variants: the NFT "

@@ -1,10 +1,11 @@
-"""`imagerl bench`: whole Flow-GRPO iterations on released-size random-weight models, imagerl's loop and a
-plain diffusers + peft flow_grpo-style loop (perf/baseline.py) side by side in one process, with MFU over
-the bf16 matmul ceiling measured in the same run.
+"""`imagerl bench`: whole Flow-GRPO iterations on released-size random-weight models, imagerl's loop and a plain
+diffusers + peft loop side by side in one process (qwen_image: flow_grpo's, perf/baseline.py, batch 4; qwen_image21:
+miles-diffusion's 1-GPU loop on QwenImage21Pipeline, perf/baseline21.py, rollout batch 8, training micro-batch 4,
+no prefix KV cache), with MFU over the bf16 matmul ceiling measured in the same run.
 
 Geometry (flow_grpo's Qwen-Image recipe, per GPU): one prompt x group 16 per iteration, 512 px, 10 steps,
-SDE window {3, 4}, 2 optimizer steps per iteration, LoRA r64/a128 on the 12 targets, the real `pickscore`
-reward on a random CLIP ViT-H/14, the text encoder at its released size; qwen_image with true CFG 4,
+SDE window {3, 4}, 2 optimizer steps per iteration, LoRA r64/a128 on the family's targets (12 / 7), the real
+`pickscore` reward on a random CLIP ViT-H/14, the text encoder at its released size; qwen_image with true CFG 4,
 qwen_image21 without CFG. Each variant runs `warmup` iterations, then `iterations` measured ones.
 
 Counting (perf/flops.py, reference/diffusers_qwenimage.md section 6): rollout FLOPs = samples x steps x
@@ -12,7 +13,7 @@ Counting (perf/flops.py, reference/diffusers_qwenimage.md section 6): rollout FL
 samples x SDE steps x (forward + activation-gradient backward [+ recompute with gradient checkpointing]),
 i.e. recompute is counted as work done (hardware FLOPs). Text encoder, VAE and reward are not counted
 (they are in the end-to-end time). Padding of cond/uncond rows to one length is not counted as work.
-qwen_image21: block-causal attention, KV-cached rollout steps counted as such (sample.kv_cache).
+qwen_image21: no uncond row, block-causal attention, KV-cached rollout steps counted as such (sample.kv_cache).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ NFT_VARIANTS = {family: {"flow_grpo recipe": [f"recipe={RECIPES[family]}"],
                                                                     "train.timestep_staging=true"]}
                 for family in FAMILIES}
 BASELINE_BATCH_SIZE = 4  # flow_grpo's Qwen-Image sample / train batch per GPU
+BASELINE21_BATCH_SIZE, BASELINE21_TRAIN_BATCH_SIZE = 8, 4  # miles-diffusion's 1-GPU Qwen-Image 2.1 rollout / train
 
 
 def _prompts() -> list[str]:
@@ -248,30 +250,49 @@ class Bench:
             self.restore(adapter)
 
     def run_baseline(self, ceiling: float, gradient_checkpointing: bool = True) -> Row:
-        """The flow_grpo-style loop on diffusers + peft (perf/baseline.py), same geometry and reward."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+        """The family's plain Flow-GRPO loop on diffusers + peft (qwen_image: perf/baseline.py, true CFG 4;
+        qwen_image21: perf/baseline21.py, no CFG), same geometry and reward."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
         from imagerl.metrics import gc_pauses
-        from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
-
-        if self.family != "qwen_image":
-            raise ValueError("the diffusers + peft baseline is Qwen-Image 1.0's flow_grpo loop")
-        cfg = self.config([])
-        s = cfg.sample
-        pipe = QwenImagePipeline(FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), self.vae,
-                                 self.text_encoder, self.tokenizer, self.transformer)
-        settings = BaselineSettings(height=s.height, width=s.width, num_steps=s.num_steps, guidance_scale=4.0,
-                                    noise_level=s.noise_level, sde_steps=(3, 4), group_size=s.group_size,
-                                    batch_size=BASELINE_BATCH_SIZE, num_optimizer_steps=cfg.train.num_optimizer_steps,
-                                    lr=cfg.train.lr, clip_range=cfg.train.clip_range, lora_rank=cfg.model.lora_rank,
-                                    lora_alpha=cfg.model.lora_alpha, gradient_checkpointing=gradient_checkpointing)
 
         def reward_fn(images, prompts):
             return self.scorer.score(images, prompts, [{}] * len(prompts)).total_B.float()
 
-        torch.manual_seed(cfg.run.seed)
-        baseline = FlowGRPOBaseline(pipe, reward_fn, settings, self.device)
+        cfg = self.config([])
+        s = cfg.sample
+        torch.manual_seed(cfg.run.seed)  # the LoRA's gaussian init
+        modules = dict(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=self.vae,
+                       text_encoder=self.text_encoder, transformer=self.transformer)
+        common = dict(height=s.height, width=s.width, num_steps=s.num_steps, noise_level=s.noise_level,
+                      sde_steps=(3, 4), group_size=s.group_size, num_optimizer_steps=cfg.train.num_optimizer_steps,
+                      lr=cfg.train.lr, clip_range=cfg.train.clip_range, lora_rank=cfg.model.lora_rank,
+                      lora_alpha=cfg.model.lora_alpha, gradient_checkpointing=gradient_checkpointing)
+        # the FLOPs of what it runs: every block checkpointed (diffusers), full forwards (no KV cache), the LoRA
+        # unmerged on every step (the qwen_image recipe merges it off the window: not the baseline)
+        flops_overrides = [f"model.gradient_checkpointing={gradient_checkpointing}", "model.checkpoint_every=1",
+                           "sample.kv_cache=false", "sample.merge_lora=false"]
+        if self.family == "qwen_image":
+            from diffusers import QwenImagePipeline
+
+            from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
+
+            pipe = QwenImagePipeline(tokenizer=self.tokenizer, **modules)
+            settings = BaselineSettings(guidance_scale=4.0, batch_size=BASELINE_BATCH_SIZE, **common)
+            baseline = FlowGRPOBaseline(pipe, reward_fn, settings, self.device)
+        else:
+            from diffusers import QwenImage21Pipeline
+
+            from imagerl.perf.baseline21 import BaselineSettings21, FlowGRPOBaseline21
+
+            # the bench's "tokenizer" for 2.1 is a Qwen3VLProcessor (tiny_checkpoint21.build_tiny_processor), what
+            # QwenImage21Pipeline takes as `processor`; sample_sigmas None: the linspace grid, as the imagerl rows
+            pipe = QwenImage21Pipeline(processor=self.tokenizer, **modules)
+            settings = BaselineSettings21(batch_size=BASELINE21_BATCH_SIZE,
+                                          train_batch_size=BASELINE21_TRAIN_BATCH_SIZE, **common)
+            baseline = FlowGRPOBaseline21(pipe, reward_fn, settings, self.device)
+
         times, text_tokens = [], []
         _peak_gib(self.device)  # resets the peak
         for it in range(self.warmup + self.iterations):
@@ -279,7 +300,7 @@ class Bench:
             r = baseline.iteration(self.prompts[it % len(self.prompts)], generator_seed=it)  # times synchronised
             peak, (gc_s_end, gc_full_end) = _peak_gib(self.device), gc_pauses()
             if it >= self.warmup:
-                text_tokens.append(r["text_tokens"])  # the padded row length: the prompt's (longer than " ")
+                text_tokens.append(r["text_tokens"])  # 1.0: the padded row length, the prompt's (longer than " ")
                 phases = {f"time/{k}": r[k] for k in ("rollout_s", "reward_s", "train_s", "total_s")}
                 phases.update({"perf/gc_pause_s": gc_s_end - gc_s, "perf/gc_full_collections": gc_full_end - gc_full})
                 times.append(iteration_record(phases, peak, r["log_prob_mean_abs_diff"], r["text_tokens"],
@@ -288,9 +309,12 @@ class Bench:
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
         adapter = self.new_adapter()
-        negative = adapter.encode_prompts([s.negative_prompt])[0].shape[0]
-        flops = self._mean_flops(self.config([f"model.gradient_checkpointing={gradient_checkpointing}"]), adapter,
-                                 [[length, negative] for length in text_tokens])
+        if self.family == "qwen_image":  # a cond and a negative-prompt row per sample (true CFG)
+            negative = adapter.encode_prompts([s.negative_prompt])[0].shape[0]
+            rows = [[length, negative] for length in text_tokens]
+        else:  # no CFG: the cond row only
+            rows = [[length] for length in text_tokens]
+        flops = self._mean_flops(self.config(flops_overrides), adapter, rows)
         return make_row("baseline (diffusers+peft)", [], times, *flops, ceiling, s.group_size,
                         s.group_size * s.num_sde_steps, text_tokens[0])
 
@@ -335,8 +359,8 @@ class Bench:
 def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None = None, *, baseline: bool = True,
               warmup: int = 2, iterations: int = 2, dry: bool = False, out: Path | None = None,
               profiles: list[list[str]] = (), echo=print, algorithm: str = "flow_grpo") -> list[Row]:
-    """Profile one step of each config in `profiles` (lists of overrides), then run the baseline (qwen_image) and
-    each variant (name -> overrides); print and return the rows."""
+    """Profile one step of each config in `profiles` (lists of overrides), then run the family's baseline and each
+    variant (name -> overrides); print and return the rows."""
     from imagerl.perf.flops import measure_matmul_flops_per_s
     from imagerl.perf.profile import profile_step
 
@@ -374,7 +398,7 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
             if out is not None:
                 out.mkdir(parents=True, exist_ok=True)
                 (out / f"profile_{family}.txt").write_text("\n\n".join(profile_text) + "\n")
-        if baseline and family == "qwen_image":
+        if baseline:
             base = bench.run_baseline(ceiling)
             rows.append(base)
             echo(format_table(rows[-1:], base))
