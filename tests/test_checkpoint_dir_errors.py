@@ -125,6 +125,22 @@ def test_loading_a_missing_directory_says_so(tmp_path, name):
         family_class(tmp_path / name)
 
 
+@pytest.mark.parametrize("name", ["my-model", "Qwen-Image-local"])
+def test_loading_an_empty_directory_says_it_has_no_model_index(tmp_path, name):
+    """Before any family question (pass --family would not help), whatever the name suggests."""
+    path = tmp_path / name
+    path.mkdir()
+    with pytest.raises(ValueError, match=r"has no model_index\.json: not a diffusers-format checkpoint \(expected "
+                                         r"model_index\.json, transformer/"):
+        family_class(path)
+
+
+def test_loading_a_directory_with_an_invalid_model_index_says_so(tmp_path):
+    (tmp_path / "model_index.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"model_index\.json is not valid JSON"):
+        family_class(tmp_path)
+
+
 def test_unknown_explicit_family_lists_the_known_ones(tiny):
     with pytest.raises(ValueError, match=r"unknown family 'flux'; available: qwen_image"):
         resolve_family(tiny, "flux")

@@ -95,3 +95,19 @@ def test_two_process_train_prints_progress_and_summary_on_rank_0_only(tmp_path):
     assert out1 == ""  # rank 1: no progress lines, tables or summary
     assert "rollouts:" not in err1 and "\r" not in err1 and "done:" not in err1
     assert all(line.startswith("[rank 1] ") for line in err1.splitlines())  # its warnings, prefixed
+
+
+def test_harmless_library_warnings_are_hidden_and_others_shown():
+    import warnings
+
+    from imagerl.console import quiet_harmless_warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_harmless_warnings()  # its filters go in front of "always"
+        warnings.warn("There are modules in AutoencoderKLQwenImage21 that should be kept in float32: []. Casting ...")
+        warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load "
+                      "in a single process.")
+        warnings.warn("There are modules in AutoencoderKL that should be kept in float32: ['norm']. Casting ...")
+        warnings.warn("something else")
+    assert [str(w.message)[:24] for w in seen] == ["There are modules in Aut", "something else"]

@@ -169,3 +169,30 @@ def test_cli_train_rejects_bad_input_before_loading_a_model(args, match, capsys,
     assert main(["train", "model.device=cpu", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("imagerl: error: ") and match in err
+
+
+def test_a_gpu_recipe_on_a_cpu_warns_with_the_expected_time(tmp_path):
+    """The released Qwen-Image transformer's config (the class defaults) under the qwen_image recipe: one rollout
+    on a CPU is days; the quickstart model's is well under the threshold."""
+    import inspect
+    import json
+
+    from diffusers import QwenImageTransformer2DModel
+
+    from imagerl.components import resolve_model_path
+    from imagerl.config import load_config
+    from imagerl.cpu_estimate import cpu_rollout_warning, rollout_flops
+
+    released = tmp_path / "Qwen-Image" / "transformer"
+    released.mkdir(parents=True)
+    defaults = {k: p.default for k, p in inspect.signature(QwenImageTransformer2DModel.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}  # the released model's config: the class defaults
+    (released / "config.json").write_text(json.dumps(defaults))
+    cfg = load_config("qwen_image_jpeg")
+    flops = rollout_flops(cfg, "qwen_image", json.loads((released / "config.json").read_text()))
+    # 512 samples x 2 rows x (10 + 3 x 2) forwards of ~1.0e13 FLOPs (20B params x 2 x ~1100 tokens): ~1.7e17
+    assert 1e17 < flops < 3e17
+    warning = cpu_rollout_warning(cfg, released.parent, "qwen_image")
+    assert warning is not None and "days" in warning and "model.device=cuda" in warning
+    quick = load_config("quickstart")
+    assert cpu_rollout_warning(quick, resolve_model_path("quickstart"), "qwen_image") is None

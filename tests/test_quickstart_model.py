@@ -17,6 +17,8 @@ def test_build_quickstart_model_at_toy_size_loads_and_trains(tmp_path):
     assert rc == 0
     build = json.loads((out / "BUILD.json").read_text())
     assert build["vae_steps"] == 2 and build["sft_steps"] == 2 and "imagerl build-quickstart-model" in build["command"]
+    assert json.loads((out / "imagerl_defaults.json").read_text()) == {  # what imagerl sample / eval / sft default to
+        "height": 64, "width": 64, "num_steps": 10, "guidance_scale": 1.0, "rewards": ["shapes"]}
     adapter = QwenImageFamily.from_pretrained(out, torch.device("cpu"), torch.float32)
     assert adapter.vae.config.latents_std != [1.0] * 4  # statistics of the trained VAE's latents were stored
     shapes = tmp_path / "work" / "shapes"

@@ -17,10 +17,15 @@ def _train(args) -> int:
     flags = [f"model.path={args.model}"] if args.model else []
     flags += [f"model.family={args.family}"] if args.family else []
     flags += ["parallel.deterministic=true"] if args.deterministic else []
-    cfg = load_config(args.recipe, flags + args.overrides)
-    if args.output_dir:
-        cfg.run.output_dir = args.output_dir
-    run_dir = train(cfg, resume=args.resume)
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues a run and --overwrite starts one over: give one of them")
+    if args.resume and args.recipe is None:  # the run's own settings, then this command's overrides
+        cfg = _resume_config(args.resume, args.output_dir, flags + args.overrides)
+    else:
+        cfg = load_config(args.recipe or "quickstart", flags + args.overrides)
+        if args.output_dir:
+            cfg.run.output_dir = args.output_dir
+    run_dir = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if (run_dir / "metrics.jsonl").is_file():
         from imagerl.report import format_eval_table, load_run
 
@@ -30,6 +35,24 @@ def _train(args) -> int:
     print(f"done: {run_dir} (metrics.jsonl, tensorboard/, images/, checkpoints/, plots/reward.png); "
           f"summary: imagerl report {run_dir}")
     return 0
+
+
+def _resume_config(resume: str, output_dir: str | None, overrides: list[str]):
+    """`--resume` without --recipe: the config the checkpoint was written with (its state.json), then `overrides`;
+    the run directory is the checkpoint's (or --output-dir). `latest` looks in --output-dir, else in the default
+    recipe's run directory."""
+    from imagerl.checkpoint import read_state, resolve_resume
+    from imagerl.config import config_from_dict, load_config
+
+    where = Path(output_dir) if output_dir else load_config("quickstart").output_dir
+    checkpoint = resolve_resume(resume, where)
+    saved = read_state(checkpoint).get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(f"{checkpoint / 'state.json'} holds no config; resume with --recipe NAME_OR_YAML")
+    cfg = config_from_dict(saved, overrides)
+    # the directory the checkpoint is in (runs/X/checkpoints/step_N), braces escaped for the {recipe} template
+    cfg.run.output_dir = str(output_dir or checkpoint.parent.parent).replace("{", "{{").replace("}", "}}")
+    return cfg
 
 
 def _sft(args) -> int:
@@ -80,7 +103,8 @@ def _sample(args) -> int:
 
     images = sample_images(args.model, args.prompt, family=args.family or "auto", lora=args.lora,
                            num_steps=args.steps, seed=args.seed, guidance_scale=args.guidance, height=args.height,
-                           width=args.width, negative_prompt=args.negative_prompt, device=args.device)
+                           width=args.width, negative_prompt=args.negative_prompt, device=args.device,
+                           log=lambda line: print(f"sampling {len(args.prompt)} image(s): {line}"))
     for path in save_images(images, args.out):
         print(f"wrote {path}")
     return 0
@@ -147,8 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imagerl", description="Online RL (Flow-GRPO, DiffusionNFT) for flow-matching text-to-image models")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train with a recipe and dotted overrides (section.key=value)")
-    p.add_argument("--recipe", default="quickstart", help="bundled recipe name or YAML path (default: quickstart)")
-    p.add_argument("--resume", default=None, help="'latest', a run directory or a checkpoint directory")
+    p.add_argument("--recipe", default=None, help="bundled recipe name or YAML path (default: quickstart; with "
+                   "--resume: the settings the checkpoint was written with)")
+    p.add_argument("--resume", default=None, help="'latest' (in the run directory), a run directory or a checkpoint "
+                   "directory; overrides given with it are applied, or refused by name where a run cannot change them")
+    p.add_argument("--overwrite", action="store_true", help="start over in a run directory that holds a run "
+                   "(deletes its checkpoints, metrics, images and plots); without it such a directory is refused")
     p.add_argument("--output-dir", default=None, help="run directory (default: run.output_dir of the recipe)")
     p.add_argument("--model", default=None, help="local diffusers-format checkpoint (same as model.path=)")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
@@ -156,31 +184,41 @@ def build_parser() -> argparse.ArgumentParser:
                    "parallel.deterministic=true); several GPUs: torchrun --nproc_per_node N -m imagerl train ...")
     p.add_argument("overrides", nargs="*", help="e.g. train.lr=1e-4 sample.group_size=8")
     p.set_defaults(fn=_train)
-    p = sub.add_parser("sample", help="generate images (ODE, the family's default guidance)")
-    p.add_argument("--model", required=True, help="local diffusers-format checkpoint")
+    p = sub.add_parser("sample", help="generate images (ODE; size, steps and guidance: the model's defaults)",
+                       description="Settings not given: the model's imagerl_defaults.json (the quickstart model: 64 px, "
+                       "10 steps, guidance 1), else the family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1).")
+    p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several images")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
     p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
-    p.add_argument("--steps", type=int, default=None, help="default: the pipeline's (50 / 40 for 2.1)")
+    p.add_argument("--steps", type=int, default=None, help="ODE steps (default: the model's, else the family's: "
+                   "50 / 40 for 2.1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--guidance", type=float, default=None, help="default: the family's (4.0 / 1.0 for 2.1)")
+    p.add_argument("--guidance", type=float, default=None, help="CFG scale, 1: none (default: the model's, else the "
+                   "family's: 4.0 / 1.0 for 2.1)")
     p.add_argument("--negative-prompt", default=" ")
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--height", type=int, default=None, help="default: the model's, else the family's (1024)")
+    p.add_argument("--width", type=int, default=None, help="default: the model's, else the family's (1024)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="sample.png", help="PNG path (several prompts: _0, _1, ... appended)")
     p.set_defaults(fn=_sample)
-    p = sub.add_parser("eval", help="held-out evaluation: ODE samples of a prompt file, scored (base model or a LoRA)")
-    p.add_argument("--model", required=True, help="local diffusers-format checkpoint (or quickstart / tiny / tiny21)")
+    p = sub.add_parser("eval", help="held-out evaluation: ODE samples of a prompt file, scored (base model or a LoRA)",
+                       description="Settings not given (size, steps, guidance, reward): the model's "
+                       "imagerl_defaults.json (the quickstart model: 64 px, 10 steps, guidance 1, shapes), else the "
+                       "family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1; jpeg_compressibility).")
+    p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
     p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
-    p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl (a 'prompt' field)")
+    p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl (a 'prompt' field), or a "
+                   "shipped set: bundled (128 OCR prompts), shapes-train, shapes-test (the quickstart's held-out 125)")
     p.add_argument("--reward", action="extend", nargs="+", default=None, metavar="NAME",
-                   help="reward(s), each weighted 1 (default: jpeg_compressibility)")
-    p.add_argument("--steps", type=int, default=None, help="ODE steps (default: the family's, 50 / 40 for 2.1)")
-    p.add_argument("--guidance", type=float, default=None, help="default: the family's (4.0 / 1.0 for 2.1)")
-    p.add_argument("--height", type=int, default=None, help="default: the family's resolution")
-    p.add_argument("--width", type=int, default=None, help="default: the family's resolution")
+                   help="reward(s), each weighted 1 (default: the model's, else jpeg_compressibility)")
+    p.add_argument("--steps", type=int, default=None, help="ODE steps (default: the model's, else the family's: "
+                   "50 / 40 for 2.1)")
+    p.add_argument("--guidance", type=float, default=None, help="CFG scale, 1: none (default: the model's, else the "
+                   "family's: 4.0 / 1.0 for 2.1)")
+    p.add_argument("--height", type=int, default=None, help="default: the model's, else the family's (1024)")
+    p.add_argument("--width", type=int, default=None, help="default: the model's, else the family's (1024)")
     p.add_argument("--max-prompts", type=int, default=0, help="only the first N prompts (default 0: all)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="image i starts from the noise of (seed, i)")
@@ -260,9 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from imagerl.rewards import RewardError
 
+    from imagerl.console import quiet_harmless_warnings
+
     args = build_parser().parse_args(argv)
+    quiet_harmless_warnings()
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; checkpoints are written whole or not at all
+        hint = " (the last checkpoint is kept: continue with --resume latest)" if args.command in ("train", "sft") else ""
+        print(f"\nimagerl: interrupted{hint}", file=sys.stderr)
+        return 130
     except (ValueError, FileExistsError, RewardError) as e:
         print(f"imagerl: error: {e}", file=sys.stderr)
         return 2

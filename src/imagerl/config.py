@@ -363,7 +363,12 @@ def load_config(recipe: str = "quickstart", overrides: list[str] = ()) -> Config
         raise ValueError(f"recipe {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
-    cfg = Config(recipe=path.stem)
+    return config_from_dict(dict(data, recipe=data.get("recipe", path.stem)), overrides)
+
+
+def config_from_dict(data: dict, overrides: list[str] = ()) -> Config:
+    """A Config from a recipe's mapping (or a saved run's config, `recipe` included), then `key=value` overrides."""
+    cfg = Config()
     for key, value in data.items():
         _set(cfg, key, value)
     for item in overrides:

@@ -75,3 +75,21 @@ def quiet_library_progress() -> None:
             __import__(module, fromlist=["disable_progress_bar"]).disable_progress_bar()
         except ImportError:
             pass
+
+
+# Warnings that say nothing about a user's run (each checked: it fires on every run and asks nothing of the user)
+HARMLESS_WARNINGS = (
+    # diffusers ModelMixin.to(): the list of modules to keep in float32 is empty, so the cast is exact
+    r"There are modules in \w+ that should be kept in float32: \[\]",
+    # torch.distributed.checkpoint in one process: that is what imagerl intends there
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a "
+    r"single process",
+)
+
+
+def quiet_harmless_warnings() -> None:
+    """Hide the library warnings in HARMLESS_WARNINGS (any other warning still shows)."""
+    import warnings
+
+    for pattern in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)

@@ -218,8 +218,10 @@ def save_eval_grid(result: EvalResult, path: Path) -> Path | None:
 
 
 def cli_evaluate(args) -> EvalResult:
-    """`imagerl eval`: load the model (+ LoRA), evaluate a prompt file, write eval.json and eval_grid.png.
-    Runs on one process or under torchrun (each rank evaluates its block; rank 0 writes)."""
+    """`imagerl eval`: load the model (+ LoRA), evaluate a prompt file or shipped set (data.NAMED_PROMPT_SETS),
+    write eval.json and eval_grid.png. Settings not given (size, steps, guidance, the reward) come from the
+    model's imagerl_defaults.json, else the family's (jpeg_compressibility for the reward). Runs on one process
+    or under torchrun (each rank evaluates its block; rank 0 writes)."""
     import dataclasses
     import json
 
@@ -228,19 +230,28 @@ def cli_evaluate(args) -> EvalResult:
     from imagerl.checkpoint import load_lora
     from imagerl.components import resolve_dtype, resolve_model_path
     from imagerl.config import Config, _set
-    from imagerl.data import load_prompt_set
+    from imagerl.data import load_prompt_set, resolve_prompt_file
     from imagerl.distributed.parallel import init_world
     from imagerl.families.registry import family_class
     from imagerl.metrics import _clean
+    from imagerl.model_defaults import model_defaults
     from imagerl.rewards import Scorer
-    from imagerl.rewards.registry import check_reward_config, validate_prompts
+    from imagerl.rewards.registry import check_reward_config, check_reward_names, validate_prompts
 
     for flag, value, low in (("--steps", args.steps, 1), ("--height", args.height, 1), ("--width", args.width, 1),
                              ("--batch-size", args.batch_size, 1), ("--max-prompts", args.max_prompts, 0)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    world = init_world(args.device)
+    path = resolve_model_path(args.model, world)
+    defaults = model_defaults(path)  # for the settings not given as flags (all None: the family's)
     cfg = Config(recipe="eval")
-    cfg.reward.weights = {name: 1.0 for name in (args.reward or ["jpeg_compressibility"])}
+    if args.reward is None and defaults.rewards:
+        try:
+            check_reward_names(dict.fromkeys(defaults.rewards, 1.0))
+        except ValueError as e:
+            raise ValueError(f"{defaults.source}: 'rewards': {e}") from None
+    cfg.reward.weights = {name: 1.0 for name in (args.reward or defaults.rewards or ["jpeg_compressibility"])}
     cfg.reward.on_error = args.on_error
     for item in args.overrides:
         key, sep, raw = item.partition("=")
@@ -252,22 +263,23 @@ def cli_evaluate(args) -> EvalResult:
         except yaml.YAMLError as e:
             raise ValueError(f"{item!r}: cannot parse value: {e}") from e
     check_reward_config(cfg.reward)  # names and reward-model paths, before anything slow
-    test_set = load_prompt_set(args.prompts, key="--prompts")
+    test_set = load_prompt_set(resolve_prompt_file(args.prompts), key="--prompts")
     validate_prompts(cfg.reward.weights, test_set.prompts, test_set.metadata)
 
-    world = init_world(args.device)
-    path = resolve_model_path(args.model, world)
     family = family_class(path, args.family or "auto")
+    cfg.sample.height, cfg.sample.width, cfg.eval.num_steps, cfg.eval.guidance_scale = defaults.sampling(
+        family, height=args.height, width=args.width, num_steps=args.steps, guidance_scale=args.guidance)
+    cfg.sample.negative_prompt = args.negative_prompt
     adapter = family.from_pretrained(path, world.device, resolve_dtype(args.dtype, world.device))
     if args.lora:
         load_lora(adapter, Path(args.lora))
-    cfg.sample.height = args.height or family.default_resolution
-    cfg.sample.width = args.width or family.default_resolution
-    cfg.sample.negative_prompt = args.negative_prompt
-    cfg.eval.num_steps = args.steps or family.default_num_steps
-    cfg.eval.guidance_scale = args.guidance  # None: the family's default
     cfg.eval.seed, cfg.eval.batch_size, cfg.eval.max_prompts = args.seed, args.batch_size, args.max_prompts
     scorer = Scorer(cfg.reward, world.device)
+    if world.is_main:
+        s = eval_settings(cfg, adapter, test_set)
+        print(f"eval: {s.num_prompts} prompts, {s.height}x{s.width} px, {s.num_steps} steps, guidance "
+              f"{s.guidance_scale:g}, reward {' + '.join(cfg.reward.weights)}"
+              + (f" (defaults: the model's {defaults.source.name})" if defaults.source else ""))
 
     result = run_evaluation(adapter, scorer, test_set, cfg, world)
     if world.is_main:
@@ -279,6 +291,7 @@ def cli_evaluate(args) -> EvalResult:
                    for i, p in enumerate(result.prompts)]
         record = {"model": str(args.model), "family": adapter.name, "lora": args.lora, "prompts": str(args.prompts),
                   "rewards": cfg.reward.weights, "settings": dataclasses.asdict(result.settings),
+                  "model_defaults": str(defaults.source) if defaults.source else None,
                   "ranks": world.size, "metrics": {k: _clean(v) for k, v in result.metrics.items()}, "samples": samples}
         (out / "eval.json").write_text(json.dumps(record, indent=1) + "\n")
         grid = save_eval_grid(result, out / "eval_grid.png")

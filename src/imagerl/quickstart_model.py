@@ -10,9 +10,11 @@ Recipe (every step seeded; `imagerl build-quickstart-model OUT` reruns it):
   4. a small QwenImageTransformer2DModel, saved with the rest in the hub layout, then trained by
      `imagerl sft` (full fine-tuning, flow matching) on the captioned images;
   5. the exported checkpoint is what ships in imagerl/assets/quickstart-model (its BUILD.json records the
-     command). The defaults are the shipped build's: 4096 images, VAE 2000 steps, SFT 1200 steps of 64 at lr
-     1e-3; on one H200 that took about 200 s (benchmarks/quickstart_model_build.py, which also judged longer
-     SFT: held-out reward with 300/600/1200/2400 steps 0.22/0.37/0.46/0.68 at CFG 4; benchmarks/RESULTS.md).
+     command) and its imagerl_defaults.json the settings `imagerl sample` / `eval` / `sft` default to for it
+     (SAMPLING_DEFAULTS: the quickstart recipe's 64 px, 10 steps, no CFG, shapes reward). The defaults are the
+     shipped build's: 4096 images, VAE 2000 steps, SFT 1200 steps of 64 at lr 1e-3; on one H200 that took
+     about 200 s (benchmarks/quickstart_model_build.py, which also judged longer SFT: held-out reward with
+     300/600/1200/2400 steps 0.22/0.37/0.46/0.68 at CFG 4; benchmarks/RESULTS.md).
      1200 steps leaves room for RL to show a gain within minutes on a CPU.
 """
 
@@ -27,6 +29,9 @@ import torch
 VAE_CONFIG = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
                   latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
 SFT_LR = 1e-3
+# imagerl_defaults.json (imagerl.model_defaults): the training size, the quickstart recipe's sampling (10 steps,
+# guidance 1: no CFG, half the compute) and its reward
+SAMPLING_DEFAULTS = dict(height=64, width=64, num_steps=10, guidance_scale=1.0, rewards=["shapes"])
 TRANSFORMER_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=4, attention_head_dim=32,
                           num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
 
@@ -110,6 +115,7 @@ def build_quickstart_model(out_dir: str | Path, work_dir: str | Path, *, num_ima
                            vae_steps: int = 2000, sft_steps: int = 1200, sft_batch: int = 64, device: str = "auto",
                            log=print) -> Path:
     from imagerl.distributed.parallel import resolve_device
+    from imagerl.model_defaults import write_model_defaults
     from imagerl.sft import export_model, sft
     from imagerl.synthetic import generate_dataset
 
@@ -128,6 +134,7 @@ def build_quickstart_model(out_dir: str | Path, work_dir: str | Path, *, num_ima
     export_model(work_dir / "sft", out_dir, dtype="float32")
     write_build_record(out_dir, num_images=num_images, seed=seed, vae_steps=vae_steps, vae_final_mse=mse,
                        sft_steps=sft_steps, sft_batch=sft_batch, device=str(dev))
+    write_model_defaults(out_dir, **SAMPLING_DEFAULTS)
     log(f"quickstart model written to {out_dir} (sft run: {run.run_dir})")
     return out_dir
 

@@ -1,4 +1,5 @@
-"""`imagerl sample`: plain inference (ODE, the family's default guidance), optionally with a trained LoRA."""
+"""`imagerl sample`: plain inference (ODE; size, steps and guidance from the flags, else the model's
+imagerl_defaults.json, else the family's), optionally with a trained LoRA."""
 
 from __future__ import annotations
 
@@ -7,28 +8,39 @@ from pathlib import Path
 import torch
 
 from imagerl.checkpoint import load_lora
-from imagerl.components import resolve_dtype
+from imagerl.components import resolve_dtype, resolve_model_path
 from imagerl.distributed.parallel import resolve_device
 from imagerl.distributed.rng import make_generator
 from imagerl.families.registry import family_class
+from imagerl.model_defaults import model_defaults
 from imagerl.rollout import ode_sample
 
 
 def sample_images(model: str, prompts: list[str], *, family: str = "auto", lora: str | None = None,
                   num_steps: int | None = None, seed: int = 0, guidance_scale: float | None = None,
                   height: int | None = None, width: int | None = None, negative_prompt: str = " ",
-                  device: str = "auto", dtype: str = "auto") -> torch.Tensor:
-    """RGB images (B, 3, H, W) in [0, 1]; image i's noise comes from (seed, i), independent of batching."""
+                  device: str = "auto", dtype: str = "auto", log=None) -> torch.Tensor:
+    """RGB images (B, 3, H, W) in [0, 1]; image i's noise comes from (seed, i), independent of batching.
+
+    model: a checkpoint directory or a shipped name (quickstart / tiny / tiny21). Settings left None come from
+    the model's imagerl_defaults.json, else the family's defaults; log(line), if given, reports the ones used."""
     if not prompts:
         raise ValueError("give at least one --prompt")
+    for flag, value in (("--steps", num_steps), ("--height", height), ("--width", width)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    path = resolve_model_path(model)
+    cls = family_class(path, family)
+    defaults = model_defaults(path)
+    h, w, steps, guidance = defaults.sampling(cls, height=height, width=width, num_steps=num_steps,
+                                              guidance_scale=guidance_scale)
     dev = resolve_device(device)
-    cls = family_class(model, family)
-    adapter = cls.from_pretrained(Path(model), dev, resolve_dtype(dtype, dev))
+    adapter = cls.from_pretrained(path, dev, resolve_dtype(dtype, dev))
     if lora:
         load_lora(adapter, Path(lora))
-    h, w = height or cls.default_resolution, width or cls.default_resolution
-    steps = num_steps or cls.default_num_steps
-    guidance = cls.default_guidance_scale if guidance_scale is None else guidance_scale
+    if log is not None:
+        log(f"{h}x{w} px, {steps} steps, guidance {guidance:g}"
+            + (f" (defaults: the model's {defaults.source.name})" if defaults.source else ""))
     noise = torch.cat([adapter.initial_noise([make_generator(seed, "sample", i)], h, w) for i in range(len(prompts))])
     latents = ode_sample(adapter, prompts, num_steps=steps, guidance_scale=guidance, height=h, width=w,
                          initial_noise_BNC=noise, negative_prompt=negative_prompt)

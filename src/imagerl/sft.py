@@ -28,6 +28,7 @@ from imagerl.checkpoint import (load_checkpoint, load_full_checkpoint, merged_lo
 from imagerl.components import NAMED_MODELS, resolve_dtype, resolve_model_path
 from imagerl.distributed.parallel import resolve_device
 from imagerl.distributed.rng import make_generator
+from imagerl.model_defaults import ModelDefaults, model_defaults
 from imagerl.sft_data import batch_indices, load_examples, load_image
 
 
@@ -38,8 +39,8 @@ class SFTConfig:
     device: str = "auto"
     dtype: str = "auto"  # forward dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16
     data: str = ""  # JSONL ({"image": relative path, "prompt"/"caption": text} per line) or image folder + .txt
-    height: int = 512  # images are resized to cover height x width and center-cropped
-    width: int = 512
+    height: int = 0  # images are resized to cover height x width and center-cropped; 0: the model's
+    width: int = 0  # imagerl_defaults.json size (the quickstart model: 64), else 512
     lora_rank: int = 64  # 0: full fine-tuning of the transformer
     lora_alpha: int = 128
     lora_target_modules: list[str] = field(default_factory=list)  # empty: the family's default
@@ -68,8 +69,8 @@ class SFTConfig:
     tensorboard: bool = True
     validation_prompts: list[str] = field(default_factory=list)  # sample grids in <output_dir>/images
     validation_every: int = 0  # 0: before and after training only
-    validation_steps: int = 0  # ODE steps; 0: the family's default
-    validation_guidance: typing.Optional[float] = None  # None: the family's default
+    validation_steps: int = 0  # ODE steps; 0: the model's imagerl_defaults.json num_steps, else the family's
+    validation_guidance: typing.Optional[float] = None  # None: the model's imagerl_defaults.json, else the family's
 
 
 def load_sft_config(overrides: list[str] = (), base: dict | None = None) -> SFTConfig:
@@ -108,11 +109,11 @@ def _coerce(key: str, value, hint):
 
 
 def validate_sft(cfg: SFTConfig) -> None:
-    for key in ("batch_size", "num_steps", "checkpoint_every", "log_every", "height", "width", "max_sequence_length",
-                "prompt_cache_size"):
+    for key in ("batch_size", "num_steps", "checkpoint_every", "log_every", "max_sequence_length", "prompt_cache_size"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
-    for key in ("lora_rank", "lora_alpha", "lr_warmup_steps", "validation_every", "validation_steps", "keep_checkpoints"):
+    for key in ("height", "width", "lora_rank", "lora_alpha", "lr_warmup_steps", "validation_every", "validation_steps",
+                "keep_checkpoints"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key} must be >= 0, got {getattr(cfg, key)}")
     for key in ("lr", "weight_decay", "max_grad_norm", "adam_eps", "logit_std"):
@@ -124,6 +125,15 @@ def validate_sft(cfg: SFTConfig) -> None:
         raise ValueError(f"caption_dropout must be in [0, 1), got {cfg.caption_dropout}")
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {cfg.dtype!r}")
+
+
+def with_model_defaults(cfg: SFTConfig, defaults: ModelDefaults) -> SFTConfig:
+    """Settings left unset (height/width 0, validation_steps 0, validation_guidance None) from the model's
+    imagerl_defaults.json; height/width else 512. Validation steps/guidance left unset use the family's."""
+    return dataclasses.replace(
+        cfg, height=cfg.height or defaults.height or 512, width=cfg.width or defaults.width or 512,
+        validation_steps=cfg.validation_steps or defaults.num_steps or 0,
+        validation_guidance=defaults.guidance_scale if cfg.validation_guidance is None else cfg.validation_guidance)
 
 
 def load_sft_adapter(cfg: SFTConfig, device: torch.device):
@@ -207,6 +217,7 @@ def sft(cfg: SFTConfig, resume: str | None = None) -> SFTRun:
     examples = load_examples(cfg.data)  # data errors before any model loads
     cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()), model=cfg.model if cfg.model
                               in NAMED_MODELS else str(Path(cfg.model).expanduser().resolve()))  # cwd-proof
+    cfg = with_model_defaults(cfg, model_defaults(resolve_model_path(cfg.model)))
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_resume(resume, run_dir) if resume else None
     if resume_from is None and list((run_dir / "checkpoints").glob("step_*")):

@@ -11,7 +11,7 @@ import torch
 from imagerl.algorithms import make_algorithm
 from imagerl.algorithms.advantages import rollout_advantages
 from imagerl.algorithms.flow_grpo import NonFiniteError
-from imagerl.checkpoint import check_resume_config, load_checkpoint, resolve_resume, save_checkpoint
+from imagerl.checkpoint import check_resume_config, load_checkpoint, read_state, resolve_resume, save_checkpoint
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
 from imagerl.console import format_duration, quiet_library_progress
@@ -24,11 +24,12 @@ from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_rew
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
 from imagerl.scoring import AsyncScorer, ScoredRollout
-from imagerl.validation import check_output_dir, validate
+from imagerl.validation import check_fresh_run_dir, check_output_dir, validate
 
 
-def train(cfg: Config, resume: str | None = None) -> Path:
-    """Run cfg.train.num_rollouts rollouts (continuing a checkpoint with `resume`); return the run directory."""
+def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Path:
+    """Run cfg.train.num_rollouts rollouts (continuing a checkpoint with `resume`); return the run directory.
+    Without `resume` the run directory must be empty or absent (overwrite=True clears imagerl's outputs first)."""
     quiet_library_progress()  # in a log file: no loading bars either
     if cfg.parallel.deterministic:  # before CUDA starts (CUBLAS_WORKSPACE_CONFIG)
         set_deterministic(cfg.run.seed, resolve_device(cfg.model.device))
@@ -41,12 +42,30 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     run_dir = cfg.output_dir
     resume_from = resolve_resume(resume, run_dir) if resume else None
     changed = check_resume_config(resume_from, cfg.to_dict()) if resume_from else []
+    if resume_from is None and not overwrite:  # every rank raises alike; with overwrite rank 0 alone clears below
+        check_fresh_run_dir(run_dir, overwrite=False)
+        world.barrier()  # every rank has looked before rank 0 writes anything there
+    if resume_from is not None:
+        done_before = read_state(resume_from)["step"]
+        if done_before >= cfg.train.num_rollouts:  # nothing to do: say so before anything loads
+            if world.is_main:
+                print(f"{run_dir} is complete: {done_before} of train.num_rollouts={cfg.train.num_rollouts} rollouts "
+                      f"done ({resume_from}). To train further: --resume {resume} "
+                      f"train.num_rollouts={done_before + cfg.train.num_rollouts}")
+            return run_dir
+        if world.is_main:
+            print(f"resuming {run_dir} after rollout {done_before} of {cfg.train.num_rollouts} from {resume_from}"
+                  + (f"; changed settings, applied: {', '.join(changed)}" if changed else ""))
     scorer = Scorer(cfg.reward, world.device)
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
 
     if world.is_main:  # after every config error (it creates the directory), before the slow part
+        if resume_from is None and overwrite:
+            check_fresh_run_dir(run_dir, overwrite=True)
         check_output_dir(run_dir)  # unwritable or full: said now, not after the model loads and a rollout runs
+    if world.is_main and world.device.type == "cpu":
+        _warn_if_slow_on_cpu(cfg, world)
     adapter = load_adapter(cfg, world)  # LoRA added, activation checkpointing on
     resolve_family_defaults(cfg, adapter)
     apply_parallelism(adapter, cfg, world)  # compile, shard (FSDP2); before the optimizer sees the params
@@ -62,9 +81,6 @@ def train(cfg: Config, resume: str | None = None) -> Path:
         t = cfg.train
         for group in optimizer.param_groups:
             group.update(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
-        if world.is_main:
-            print(f"resuming {run_dir} after rollout {start} from {resume_from}"
-                  + (f"; changed settings, applied: {', '.join(changed)}" if changed else ""))
     save = _saver(cfg, adapter, optimizer, algo, run_dir, world)
     logger = MetricsLogger(run_dir, world.is_main, cfg.run.tensorboard, wandb=cfg.run.wandb, config=cfg)
     logger.truncate_after(start)
@@ -121,6 +137,24 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     if world.is_main and (run_dir / "metrics.jsonl").is_file():
         plot_reward_curve(run_dir)
     return run_dir
+
+
+def _warn_if_slow_on_cpu(cfg: Config, world) -> None:
+    """A GPU recipe started on a CPU: say how long one rollout would take before the model loads."""
+    import sys
+
+    from imagerl.components import resolve_model_path
+    from imagerl.cpu_estimate import cpu_rollout_warning
+    from imagerl.families.registry import family_class
+
+    try:
+        path = resolve_model_path(cfg.model.path, world)
+        family = family_class(path, cfg.model.family)
+    except ValueError:
+        return  # load_adapter reports it
+    warning = cpu_rollout_warning(cfg, path, family.name)
+    if warning:
+        print(f"imagerl: warning: {warning}", file=sys.stderr)
 
 
 def _saver(cfg: Config, adapter, optimizer, algo, run_dir: Path, world):

@@ -179,6 +179,29 @@ def check_output_dir(path) -> Path:
     return path
 
 
+# what `imagerl train` writes in a run directory (--overwrite removes these and nothing else)
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "images", "checkpoints", "plots", "config.yaml", "config.resumed_*.yaml")
+
+
+def check_fresh_run_dir(path, overwrite: bool) -> None:
+    """A new run (no --resume) refuses a run directory that already holds files: a second `imagerl train` would
+    overwrite its checkpoints, grids and plots and append a second history to metrics.jsonl. overwrite=True
+    removes imagerl's outputs (RUN_OUTPUTS) first; other files are left alone. Call on rank 0 only."""
+    import shutil
+
+    path = Path(path)
+    if not path.is_dir() or not any(path.iterdir()):
+        return
+    ours = sorted({p for pattern in RUN_OUTPUTS for p in path.glob(pattern)})
+    if not overwrite:
+        held = ", ".join(p.name for p in ours[:4]) or ", ".join(sorted(p.name for p in path.iterdir())[:4])
+        raise FileExistsError(f"{path} already holds a run ({held}); continue it with `--resume latest` (same "
+                              f"--recipe/--output-dir), start over with --overwrite (deletes its checkpoints, "
+                              f"metrics, images and plots), or choose another --output-dir")
+    for p in ours:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
 def validate_nft(cfg: Config) -> None:
     """The nft section, and sampling settings that cannot work with deterministic ODE rollouts."""
     from imagerl.sampling.ode import ODE_SOLVERS

@@ -99,6 +99,7 @@ class QwenImage21Family(FamilyAdapter):
                      "qwen_image_21", "qwenimage21", "qwenimage-2.1")
     pipeline_class_name = "QwenImage21Pipeline"
     default_guidance_scale = 1.0  # the pipeline's default: 2.1 is sampled without guidance
+    default_num_steps = 40  # QwenImage21Pipeline's num_inference_steps default
     supports_kv_cache = True
     compile_refused = (
         "on an H200 (torch 2.11, benchmarks/RESULTS.md run F) the regionally compiled Qwen-Image 2.1 block "

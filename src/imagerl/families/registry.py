@@ -61,8 +61,12 @@ def resolve_family(name_or_path: str | Path, family: str = "auto") -> str:
 
 
 def family_class(path: str | Path, family: str = "auto") -> type:
-    """The adapter class for a local checkpoint directory (checked to exist)."""
+    """The adapter class for a local checkpoint directory. With family "auto" the directory must exist and hold
+    a readable model_index.json (said before any question of the family: an empty or mistyped directory is not
+    a family problem); an explicit family leaves these checks to the adapter's from_pretrained."""
+    from imagerl.families.base import read_model_index
+
     _import_builtin()
-    if family == "auto" and not Path(path).is_dir():
-        raise ValueError(f"model.path={str(path)!r} is not a directory; point it at a local diffusers-format checkpoint")
+    if family == "auto":
+        read_model_index(Path(path))
     return FAMILIES[resolve_family(path, family)]

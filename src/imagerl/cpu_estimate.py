@@ -1,0 +1,57 @@
+"""Before a model loads on a CPU: how long one rollout would take there, so that a GPU recipe started without a
+GPU says so (in hours or days) instead of running silently for them.
+
+Estimate: the transformer's analytic FLOPs (perf/flops.py, from transformer/config.json) for one rollout and its
+update, over the float32 matmul rate this CPU reaches (measured: a 512^3 matmul, ~50 ms). Text counted as 64
+tokens; text encoder, VAE and rewards not counted, so it is a lower bound.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WARN_ABOVE_S = 600.0  # a rollout longer than this on a CPU is worth a warning
+TEXT_TOKENS = 64
+
+
+def rollout_flops(cfg, family_name: str, transformer_config: dict) -> int:
+    """FLOPs of one rollout (every step, x2 rows with CFG > 1) and its update (3 forwards per trained step)."""
+    from imagerl.perf import flops
+
+    s = cfg.sample
+    image_tokens = (s.height // 16) * (s.width // 16)  # both families: 16 px per token (8x VAE + 2x2 patch, 16x VAE)
+    if family_name == "qwen_image21":
+        forward = flops.qwen_image21_forward_flops(flops.QwenImage21Dims.from_config(transformer_config),
+                                                   image_tokens, TEXT_TOKENS)
+    else:
+        forward = flops.qwen_image_forward_flops(flops.QwenImageDims.from_config(transformer_config),
+                                                 image_tokens, TEXT_TOKENS)
+    rows = 2 if (s.guidance_scale or 1.0) > 1 else 1
+    trained = s.num_steps if cfg.train.algorithm == "diffusion_nft" else s.num_sde_steps
+    samples = s.prompts_per_rollout * s.group_size
+    return samples * rows * forward * (s.num_steps + 3 * trained)
+
+
+def cpu_rollout_warning(cfg, path: Path, family_name: str) -> str | None:
+    """A one-line warning when one rollout of `cfg` on this CPU would take over WARN_ABOVE_S, else None."""
+    from imagerl.perf.flops import measure_matmul_flops_per_s
+
+    config_file = Path(path) / "transformer" / "config.json"
+    try:
+        transformer_config = json.loads(config_file.read_text())
+        work = rollout_flops(cfg, family_name, transformer_config)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the loader reports a broken checkpoint with its own message
+    rate = measure_matmul_flops_per_s(torch.device("cpu"), torch.float32, size=512, iterations=3)
+    seconds = work / rate
+    if seconds <= WARN_ABOVE_S:
+        return None
+    hours = seconds / 3600
+    when = f"{hours / 24:.0f} days" if hours >= 48 else f"{hours:.1f} hours" if hours >= 1 else f"{seconds / 60:.0f} minutes"
+    return (f"model.device is a CPU: one rollout of {cfg.sample.prompts_per_rollout * cfg.sample.group_size} images "
+            f"at {cfg.sample.height}x{cfg.sample.width} px would take at least {when} here ({work / 1e15:.3g} PFLOP at "
+            f"the {rate / 1e9:.0f} GFLOP/s this CPU measured); this recipe is meant for a GPU (model.device=cuda), "
+            f"or try the CPU quickstart: imagerl train")
