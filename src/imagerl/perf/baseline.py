@@ -191,20 +191,25 @@ class FlowGRPOBaseline:
                 "latents": cat(before), "next_latents": cat(after), "log_probs": cat(log_probs),
                 "timesteps": timesteps, "sigmas": sigmas}
 
+    def _replay_velocity(self, traj, sl: slice, j: int, i: int):
+        """The velocity of rows `sl` at their j-th SDE step (denoising step i), with grad, for the replay."""
+        text = tuple(None if x is None else x[sl] for x in traj["text"])
+        return self._velocity(traj["latents"][sl, j], traj["timesteps"][i], text)
+
     def _train(self, traj, advantages):
         """flow_grpo train loop: per optimizer step (contiguous chunk), per micro-batch, per SDE step: clipped
         PPO loss on the recomputed log-prob, gradients accumulated over the chunk."""
         s = self.s
         chunk = s.group_size // s.num_optimizer_steps
+        batch = getattr(s, "train_batch_size", s.batch_size)  # flow_grpo: the sampling batch; miles 2.1: its own
         first_diffs, ratio_dev = [], torch.zeros((), device=self.device)
         for k in range(s.num_optimizer_steps):
-            starts = range(k * chunk, (k + 1) * chunk, s.batch_size)
+            starts = range(k * chunk, (k + 1) * chunk, batch)
             for start in starts:
-                sl = slice(start, min(start + s.batch_size, (k + 1) * chunk))
-                text = tuple(None if x is None else x[sl] for x in traj["text"])
+                sl = slice(start, min(start + batch, (k + 1) * chunk))
                 adv = advantages[sl]
                 for j, i in enumerate(s.sde_steps):
-                    velocity = self._velocity(traj["latents"][sl, j], traj["timesteps"][i], text)
+                    velocity = self._replay_velocity(traj, sl, j, i)
                     _, log_prob = sde_step_with_logprob(traj["sigmas"], i, velocity, traj["latents"][sl, j],
                                                         s.noise_level, prev_sample=traj["next_latents"][sl, j])
                     old = traj["log_probs"][sl, j]

@@ -98,6 +98,7 @@ class FlowGRPOBaseline21:
     # the 1.0 baseline: iteration() calls this class's rollout() and _train(); remove() deletes the LoRA
     iteration = FlowGRPOBaseline.iteration
     remove = FlowGRPOBaseline.remove
+    _train = FlowGRPOBaseline._train
 
     def _timesteps(self):
         """Exactly QwenImage21Pipeline.__call__'s schedule; returns (timesteps, fp32 sigmas incl. the final 0)."""
@@ -193,34 +194,8 @@ class FlowGRPOBaseline21:
                 "latents": cat(before), "next_latents": cat(after), "log_probs": cat(log_probs),
                 "timesteps": timesteps, "sigmas": sigmas}
 
-    def _train(self, traj, advantages):
-        """flow_grpo's train loop: per optimizer step (a contiguous chunk of the group), per micro-batch of
-        train_batch_size, per SDE step: clipped PPO loss on the recomputed log-prob, gradients accumulated over
-        the chunk. Returns (first optimizer step's mean |log-prob diff|, max |ratio - 1|)."""
-        s = self.s
-        chunk = s.group_size // s.num_optimizer_steps
+    def _replay_velocity(self, traj, sl: slice, j: int, i: int):
+        """The velocity of rows `sl` at their j-th SDE step (denoising step i), with grad, for the replay (the
+        training loop is baseline.py's: micro-batches of train_batch_size, clipped PPO loss per SDE step)."""
         embeds, img_mask = traj["text"]
-        first_diffs, ratio_dev = [], torch.zeros((), device=self.device)
-        for k in range(s.num_optimizer_steps):
-            starts = range(k * chunk, (k + 1) * chunk, s.train_batch_size)
-            for start in starts:
-                sl = slice(start, min(start + s.train_batch_size, (k + 1) * chunk))
-                adv = advantages[sl]
-                for j, i in enumerate(s.sde_steps):
-                    velocity = self._velocity(traj["latents"][sl, j], traj["timesteps"][i], embeds[sl], img_mask)
-                    _, log_prob = sde_step_with_logprob(traj["sigmas"], i, velocity, traj["latents"][sl, j],
-                                                        s.noise_level, prev_sample=traj["next_latents"][sl, j])
-                    old = traj["log_probs"][sl, j]
-                    ratio = torch.exp(log_prob - old)
-                    unclipped = -adv * ratio
-                    clipped = -adv * torch.clamp(ratio, 1.0 - s.clip_range, 1.0 + s.clip_range)
-                    loss = torch.mean(torch.maximum(unclipped, clipped))
-                    (loss / (len(starts) * len(s.sde_steps))).backward()
-                    if k == 0:
-                        first_diffs.append((log_prob.detach() - old).abs())
-                    ratio_dev = torch.maximum(ratio_dev, (ratio.detach() - 1).abs().max())
-            torch.nn.utils.clip_grad_norm_(self.lora_params, s.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-        diff = torch.cat(first_diffs).mean().item() if first_diffs else 0.0
-        return diff, ratio_dev.item()
+        return self._velocity(traj["latents"][sl, j], traj["timesteps"][i], embeds[sl], img_mask)
