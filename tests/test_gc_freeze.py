@@ -41,7 +41,9 @@ def test_freeze_moves_the_survivors_out_of_later_collections_and_exit_undoes_it(
         new, new_ref = _cycle()  # made after the freeze: collected as usual
         del new
         gc.collect()
-        assert new_ref() is None and gc.get_freeze_count() == frozen
+        # Collections add nothing to the frozen set; it may shrink, since a frozen object whose
+        # refcount drops to 0 (any thread, any library) leaves it (CI saw 515990 -> 515988).
+        assert new_ref() is None and gc.get_freeze_count() <= frozen
     assert gc.get_freeze_count() == 0  # unfrozen on exit: the next collection frees the frozen garbage
     gc.collect()
     assert kept_ref() is None
