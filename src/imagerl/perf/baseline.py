@@ -80,16 +80,21 @@ def _sync(device):
 
 class FlowGRPOBaseline:
     def __init__(self, pipe, reward_fn, settings: BaselineSettings, device, adapter_name="baseline"):
-        from peft import LoraConfig
-
         self.pipe, self.reward_fn, self.s, self.device = pipe, reward_fn, settings, torch.device(device)
         self.transformer, self.adapter_name = pipe.transformer, adapter_name
         self.dtype = self.transformer.dtype
         assert settings.group_size % settings.num_optimizer_steps == 0, "group_size must split into optimizer steps"
-        # flow_grpo: freeze the base model, add a gaussian-init LoRA, keep the trainable LoRA params in fp32
+        self._add_trainable_lora(QWEN_IMAGE_LORA_TARGETS)
+
+    def _add_trainable_lora(self, targets) -> None:
+        """flow_grpo: freeze the base model, add a gaussian-init LoRA, keep the trainable LoRA params in fp32,
+        AdamW (lr from the settings, betas 0.9/0.999, eps 1e-8, weight decay 1e-4), gradient checkpointing."""
+        from peft import LoraConfig
+
+        settings, adapter_name = self.s, self.adapter_name
         self.transformer.requires_grad_(False)
         config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, init_lora_weights="gaussian",
-                            target_modules=list(QWEN_IMAGE_LORA_TARGETS))
+                            target_modules=list(targets))
         self.transformer.add_adapter(config, adapter_name=adapter_name)
         self.lora_params = [p for n, p in self.transformer.named_parameters() if f".{adapter_name}." in n]
         for p in self.lora_params:

@@ -67,8 +67,6 @@ class BaselineSettings21:
 
 class FlowGRPOBaseline21:
     def __init__(self, pipe, reward_fn, settings: BaselineSettings21, device, adapter_name="baseline"):
-        from peft import LoraConfig
-
         self.pipe, self.reward_fn, self.s, self.device = pipe, reward_fn, settings, torch.device(device)
         self.transformer, self.adapter_name = pipe.transformer, adapter_name
         self.dtype = self.transformer.dtype
@@ -79,23 +77,11 @@ class FlowGRPOBaseline21:
         # latent grid: vae_scale_factor is hard-coded 16 and 2.1 consumes latents unpatched, one token per 16x16 px
         self.grid = (settings.height // pipe.vae_scale_factor, settings.width // pipe.vae_scale_factor)
         self.tokens = self.grid[0] * self.grid[1]
-        # freeze the base model, add a gaussian-init LoRA, keep the trainable LoRA params in fp32
-        self.transformer.requires_grad_(False)
-        config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, init_lora_weights="gaussian",
-                            target_modules=list(QWEN_IMAGE21_LORA_TARGETS))
-        self.transformer.add_adapter(config, adapter_name=adapter_name)
-        self.lora_params = [p for n, p in self.transformer.named_parameters() if f".{adapter_name}." in n]
-        for p in self.lora_params:
-            p.data = p.data.float()
-            p.requires_grad_(True)
-        self.optimizer = torch.optim.AdamW(self.lora_params, lr=settings.lr, betas=(0.9, 0.999), eps=1e-8,
-                                           weight_decay=1e-4)
-        self._had_checkpointing = self.transformer.is_gradient_checkpointing
-        if settings.gradient_checkpointing:
-            self.transformer.enable_gradient_checkpointing()
+        self._add_trainable_lora(QWEN_IMAGE21_LORA_TARGETS)
 
     # the same timing, reward (per sampling batch), advantage (population std + 1e-4, clamp 5) and clean-up code as
     # the 1.0 baseline: iteration() calls this class's rollout() and _train(); remove() deletes the LoRA
+    _add_trainable_lora = FlowGRPOBaseline._add_trainable_lora
     iteration = FlowGRPOBaseline.iteration
     remove = FlowGRPOBaseline.remove
     _train = FlowGRPOBaseline._train
