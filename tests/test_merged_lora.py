@@ -68,10 +68,11 @@ def test_merge_keeps_a_disabled_adapter_disabled(tiny_checkpoint, tmp_path):
 
 def test_rollout_with_merged_off_window_steps_replays_exactly(tiny_checkpoint, tmp_path):
     """The window steps keep the unmerged weights: the training forwards reproduce their log-probs bit for bit;
-    the trajectory is the unmerged rollout's up to rounding."""
+    the trajectory is the unmerged rollout's up to rounding (merged) or FP8 error (sample.off_window_fp8)."""
     rollouts = {}
-    for merge in (False, True):
-        cfg = tiny_config(tiny_checkpoint, tmp_path, f"sample.merge_lora={merge}", "train.num_optimizer_steps=1")
+    for mode, overrides in {"plain": [], "merged": ["sample.merge_lora=true"],
+                            "fp8": ["sample.merge_lora=true", "sample.off_window_fp8=true"]}.items():
+        cfg = tiny_config(tiny_checkpoint, tmp_path, *overrides, "train.num_optimizer_steps=1")
         adapter = _adapter(cfg)
         groups = GroupSampler(load_prompt_set(bundled_prompt_file()), 2, cfg.run.seed).groups_for(0)
         window = sde_window(2, (0, 5), 3, seed=cfg.run.seed, rollout_step=0)
@@ -82,11 +83,13 @@ def test_rollout_with_merged_off_window_steps_replays_exactly(tiny_checkpoint, t
             for j in range(2):
                 out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
                 assert torch.equal(out.log_prob, rollout.log_probs_BS[batch, j])
-        rollouts[merge] = rollout
-    plain, merged = rollouts[False], rollouts[True]
+        rollouts[mode] = rollout
+    plain, merged, fp8 = rollouts["plain"], rollouts["merged"], rollouts["fp8"]
     assert not torch.equal(merged.latents_BSNC, plain.latents_BSNC)  # steps 0-2 did run on other weights
     torch.testing.assert_close(merged.latents_BSNC, plain.latents_BSNC, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(merged.images_B3HW, plain.images_B3HW, rtol=1e-3, atol=1e-3)
+    fp8_error = (fp8.latents_BSNC - plain.latents_BSNC).norm() / plain.latents_BSNC.norm()
+    assert 1e-4 < fp8_error < 2e-2, fp8_error  # 3 FP8 steps moved the trajectory, by little
 
 
 def test_merge_lora_is_turned_off_with_a_warning_under_fsdp(tiny_checkpoint, tmp_path):

@@ -105,6 +105,12 @@ class SampleConfig:
     weights with the LoRA merged in: no LoRA matmuls there. The window steps and training keep the unmerged
     weights, so the replay stays exact. Costs the merged copies during the rollout (qwen_image r64, 12 targets:
     27 GB in bf16). Not under FSDP (sharded weights)."""
+    off_window_fp8: bool = False
+    """With sample.merge_lora: the merged weights are quantized to FP8 (e4m3, a scale per output channel; the
+    activations scaled per token at each call) and the steps outside the SDE window run FP8 GEMMs (CUDA compute
+    capability 8.9+). Faster and half the merged copies' memory, but not the bf16 function: each layer's
+    output moves by about 3.6 % rms of its size (families/fp8_linear.py). The window steps and training keep bf16,
+    so the replay stays exact. benchmarks/RESULTS.md has its speed and its effect on images and rewards."""
     kv_cache: bool = False
     """qwen_image21 only: reuse the text prefix's keys/values across rollout steps (faster rollout). Training
     always runs the full forward: the replay is exact on CPU fp32, but not guaranteed on GPU (an H200 run

@@ -127,6 +127,10 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         warnings.warn("sample.merge_lora has no effect under FSDP (sharded weights): the rollout runs the unmerged "
                       "LoRA; parallel.strategy=replicate keeps it", stacklevel=2)
         s.merge_lora = False
+        s.off_window_fp8 = False
+    if s.off_window_fp8 and not s.merge_lora:
+        raise ValueError("sample.off_window_fp8=true runs the merged weights in FP8: it needs sample.merge_lora=true "
+                         "(set both, or drop sample.off_window_fp8)")
 
     samples = s.prompts_per_rollout * s.group_size
     if s.prompts_per_rollout % world_size:

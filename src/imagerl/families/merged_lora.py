@@ -8,7 +8,9 @@ The window steps and the training forwards keep the unmerged weights, so the rep
 (sample.merge_lora, rollout.py).
 
 The merged copies live as long as the MergedLora object (qwen_image, r64 on the 12 targets: 13.6 B weights,
-27 GB in bf16); the caller drops it after the rollout, before training allocates its activations.
+27 GB in bf16, 13.6 GB in FP8); the caller drops it after the rollout, before training allocates its activations.
+With fp8=True (sample.off_window_fp8) each merged weight is quantized to e4m3 and its layer runs an FP8 GEMM
+(families/fp8_linear.py): not the same function up to rounding any more, but still never replayed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from imagerl.families.fp8_linear import Fp8Linear, fp8_alignable, fp8_supported
 
 
 def _merged(module, names: list[str], weight: torch.Tensor) -> torch.Tensor:
@@ -35,11 +39,14 @@ def _merged(module, names: list[str], weight: torch.Tensor) -> torch.Tensor:
 class MergedLora:
     """Built from the current LoRA weights; `applied()` swaps the merged weights in for a block of code."""
 
-    def __init__(self, transformer: torch.nn.Module):
+    def __init__(self, transformer: torch.nn.Module, fp8: bool = False):
         from peft.tuners.lora import LoraLayer
         from torch.distributed.tensor import DTensor
 
+        # (peft layer, its base nn.Linear, the original weight, the merged weight) for a bf16/fp32 swap
         self.swaps: list[tuple[torch.nn.Module, torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
+        # (peft layer, its base nn.Linear, the Fp8Linear that stands in for it) under fp8
+        self.fp8_swaps: list[tuple[torch.nn.Module, torch.nn.Module, Fp8Linear]] = []
         with torch.no_grad():
             for module in transformer.modules():
                 if not isinstance(module, LoraLayer):
@@ -52,20 +59,34 @@ class MergedLora:
                                      "parallel.strategy=replicate); under FSDP set sample.merge_lora=false")
                 if module.merged or module.disable_adapters or not names:  # its forward is the base layer already
                     continue
-                self.swaps.append((module, base, weight, torch.nn.Parameter(_merged(module, names, weight),
-                                                                            requires_grad=False)))
+                if fp8 and not fp8_supported(weight.device):
+                    raise ValueError(f"sample.off_window_fp8 needs FP8 matmuls (CUDA compute capability 8.9+: Ada, "
+                                     f"Hopper or newer); {torch.cuda.get_device_name(weight.device)} has none: set "
+                                     f"sample.off_window_fp8=false")
+                merged = _merged(module, names, weight)
+                if fp8 and fp8_alignable(base):  # a misaligned layer (dims not multiples of 16) keeps bf16 merged
+                    self.fp8_swaps.append((module, base, Fp8Linear(merged, base.bias)))
+                else:
+                    self.swaps.append((module, base, weight, torch.nn.Parameter(merged, requires_grad=False)))
 
     @contextlib.contextmanager
     def applied(self):
         """Within: no grad, each adapted layer runs its merged base weight only (the adapter is skipped)."""
-        disabled = [module._disable_adapters for module, *_ in self.swaps]
+        layers = [module for module, *_ in self.swaps] + [module for module, *_ in self.fp8_swaps]
+        disabled = [module._disable_adapters for module in layers]
         for module, base, _, merged in self.swaps:
             base._parameters["weight"] = merged
+        for module, _, fp8 in self.fp8_swaps:
+            module._modules["base_layer"] = fp8  # what peft's forward calls with the adapters off
+        for module in layers:
             module._disable_adapters = True  # the flag peft's forward reads; no requires_grad changes (cheap)
         try:
             with torch.no_grad():
                 yield
         finally:
-            for (module, base, original, _), was in zip(self.swaps, disabled):
+            for module, base, original, _ in self.swaps:
                 base._parameters["weight"] = original
+            for module, base, _ in self.fp8_swaps:
+                module._modules["base_layer"] = base
+            for module, was in zip(layers, disabled):
                 module._disable_adapters = was

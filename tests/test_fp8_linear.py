@@ -1,0 +1,94 @@
+"""sample.off_window_fp8: FP8 linear layers (families/fp8_linear.py) for the rollout's off-window steps."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from imagerl.families.fp8_linear import E4M3, Fp8Linear, quantize_rows
+from imagerl.families.merged_lora import MergedLora
+from test_merged_lora import _adapter, _inputs
+
+
+def _dequantized(t: torch.Tensor) -> torch.Tensor:
+    """float64 t~ = e4m3(t / s) * s with s = rowwise amax / 448, written out from the definition."""
+    t = t.double()
+    scale = t.abs().amax(dim=1, keepdim=True) / 448.0
+    return (t / scale).to(E4M3).double() * scale
+
+
+def test_quantized_rows_are_e4m3_values_times_the_row_amax_over_448():
+    torch.manual_seed(0)
+    t = torch.randn(24, 48) * torch.logspace(-3, 3, 24).unsqueeze(1)  # rows of very different sizes
+    values, scale = quantize_rows(t)
+    assert values.dtype == E4M3 and scale.shape == (24, 1) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale.double().squeeze(1), t.double().abs().amax(1) / 448, rtol=1e-6, atol=0)
+    assert (values.float().abs().amax(1) == 448).all()  # each row's largest entry lands on e4m3's max
+    # half an ulp of 3 mantissa bits: every entry within 2^-4 of itself (normal range), rows independent of size
+    recon = values.double() * scale.double()
+    big = t.abs() > t.abs().amax(1, keepdim=True) * 2**-6
+    assert ((recon - t.double()).abs()[big] <= t.double().abs()[big] * 2**-4 * (1 + 1e-6)).all()
+
+
+def test_fp8_linear_is_the_float64_product_of_the_quantized_factors():
+    """The GEMM with its scales against float64 arithmetic on the same e4m3 values: only the bf16 output rounding
+    (2^-8 relative) and fp32 accumulation differ."""
+    torch.manual_seed(0)
+    w, b = torch.randn(64, 96) * 0.05, torch.randn(64) * 0.1
+    x = torch.randn(3, 5, 96) * 2.0
+    layer = Fp8Linear(w, b)
+    y = layer(x)
+    reference = _dequantized(x.reshape(15, 96)) @ _dequantized(w).T
+    reference = (reference.float().to(torch.bfloat16).float() + b).reshape(3, 5, 64)  # bf16 out, then the bias
+    assert y.shape == (3, 5, 64) and y.dtype == torch.float32
+    torch.testing.assert_close(y, reference, rtol=2**-7, atol=1e-6)
+
+
+def test_fp8_error_against_the_exact_product_is_as_predicted():
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 512) * 0.02, torch.randn(64, 512)
+    exact = x.double() @ w.double().T
+    y = Fp8Linear(w, None)(x).double()
+    relative = ((y - exact).norm() / exact.norm()).item()
+    print(f"fp8 relative error {relative:.4f}")
+    assert 0.032 < relative < 0.042  # 3.6 % rms predicted (fp8_linear.py); a real approximation, not bf16
+
+
+def test_zero_rows_stay_zero_and_misaligned_weights_are_refused():
+    layer = Fp8Linear(torch.randn(32, 16), None)
+    x = torch.zeros(2, 16)
+    x[1] = 1.0
+    y = layer(x)
+    assert torch.isfinite(y).all() and (y[0] == 0).all()
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Fp8Linear(torch.randn(30, 16), None)
+
+
+def test_fp8_merged_weights_approximate_the_lora_model_and_are_swapped_back(tiny_checkpoint, tmp_path):
+    adapter = _adapter(tiny_config(tiny_checkpoint, tmp_path))
+    x, t, cond = _inputs(adapter)
+    with torch.no_grad():
+        with_lora = adapter.velocity(x, t, cond, 64, 64)
+        with adapter.lora_disabled():
+            base = adapter.velocity(x, t, cond, 64, 64)
+    modules = dict(adapter.transformer.named_modules())
+    merged = MergedLora(adapter.transformer, fp8=True)
+    assert len(merged.fp8_swaps) > 0
+    with merged.applied():
+        assert any(isinstance(m, Fp8Linear) for m in adapter.transformer.modules())
+        fp8 = adapter.velocity(x, t, cond, 64, 64)
+    error = ((fp8 - with_lora).norm() / with_lora.norm()).item()
+    lora_effect = ((with_lora - base).norm() / with_lora.norm()).item()
+    print(f"fp8 velocity error {error:.4f}, LoRA effect {lora_effect:.4f}")
+    assert 0 < error < 0.1 and error < lora_effect / 3
+    # the module tree and adapters are as before: the unmerged forward is bit for bit the same
+    assert dict(adapter.transformer.named_modules()) == modules
+    with torch.no_grad():
+        assert torch.equal(adapter.velocity(x, t, cond, 64, 64), with_lora)
+
+
+def test_off_window_fp8_needs_merge_lora(tiny_checkpoint, tmp_path):
+    from imagerl.validation import validate
+
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.off_window_fp8=true", "train.num_optimizer_steps=1")
+    with pytest.raises(ValueError, match="needs sample.merge_lora=true"):
+        validate(cfg, world_size=1)
