@@ -14,7 +14,6 @@ graph is the same as with 60). Probe switches, given as a variant's overrides be
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -60,7 +59,8 @@ def run_variant(name: str, overrides: list[str], layers: int, iterations: int, o
         t21.apply_rotary_emb_qwen = real_rope
     # released block dims (24 heads of 128 ...), only `layers` of them; the text encoder shrunk as in a dry run
     real_size._transformer_spec = lambda n: {} if n is None else {"num_layers": n}
-    real_size.build_qwen_image21 = functools.partial(real_size.build_qwen_image21, layers=layers)
+    build = real_size.build_qwen_image21  # Bench passes layers=None (released size): `layers` blocks instead
+    real_size.build_qwen_image21 = lambda device, prompts, _layers=None: build(device, prompts, layers)
     device = torch.device("cuda")
     ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=8192, iterations=10)
     bench = Bench("qwen_image21", device, False, out / "work", warmup=1, iterations=iterations)
