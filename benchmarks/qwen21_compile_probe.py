@@ -58,9 +58,10 @@ def run_variant(name: str, overrides: list[str], layers: int, iterations: int, o
 
         t21.apply_rotary_emb_qwen = real_rope
     # released block dims (24 heads of 128 ...), only `layers` of them; the text encoder shrunk as in a dry run
-    real_size._transformer_spec = lambda n: {} if n is None else {"num_layers": n}
-    build = real_size.build_qwen_image21  # Bench passes layers=None (released size): `layers` blocks instead
-    real_size.build_qwen_image21 = lambda device, prompts, _layers=None: build(device, prompts, layers)
+    if layers:  # 0: the released model as the bench builds it
+        real_size._transformer_spec = lambda n: {} if n is None else {"num_layers": n}
+        build = real_size.build_qwen_image21  # Bench passes layers=None (released size): `layers` blocks instead
+        real_size.build_qwen_image21 = lambda device, prompts, _layers=None: build(device, prompts, layers)
     device = torch.device("cuda")
     ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=8192, iterations=10)
     bench = Bench("qwen_image21", device, False, out / "work", warmup=1, iterations=iterations)
@@ -73,7 +74,7 @@ def run_variant(name: str, overrides: list[str], layers: int, iterations: int, o
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2, help="0: the released size")
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--timeout", type=int, default=240)
     p.add_argument("--variant", action="append", default=[], help="NAME:override,override,...")
