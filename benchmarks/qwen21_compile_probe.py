@@ -7,6 +7,8 @@ graph is the same as with 60). Probe switches, given as a variant's overrides be
   probe.force_compile   lift the family's compile refusal (to reproduce the crash)
   probe.static          compile the blocks with dynamic=False (a graph per text length)
   probe.real_rope       diffusers' complex RoPE product computed in real arithmetic (no view_as_complex)
+  probe.baseline_first  run the diffusers + peft baseline first in the same process, as `imagerl bench` does
+                        (run H: the compiled variant crashed after it, not alone)
 
     python3 benchmarks/qwen21_compile_probe.py --out $OUT --layers 2 \
         --variant "eager:" --variant "compile as is:parallel.compile=true,probe.force_compile"
@@ -22,7 +24,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-PROBE_SWITCHES = ("probe.force_compile", "probe.static", "probe.real_rope")
+PROBE_SWITCHES = ("probe.force_compile", "probe.static", "probe.real_rope", "probe.baseline_first")
 
 
 def real_rope(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
@@ -65,6 +67,8 @@ def run_variant(name: str, overrides: list[str], layers: int, iterations: int, o
     device = torch.device("cuda")
     ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=8192, iterations=10)
     bench = Bench("qwen_image21", device, False, out / "work", warmup=1, iterations=iterations)
+    if "probe.baseline_first" in switches:
+        bench.run_baseline(ceiling)
     t0 = time.perf_counter()
     row = bench.run_imagerl(name, overrides, ceiling)
     record = dict(asdict(row), wall_s=time.perf_counter() - t0, switches=sorted(switches), layers=layers)

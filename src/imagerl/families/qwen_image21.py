@@ -101,10 +101,6 @@ class QwenImage21Family(FamilyAdapter):
     default_guidance_scale = 1.0  # the pipeline's default: 2.1 is sampled without guidance
     default_num_steps = 40  # QwenImage21Pipeline's num_inference_steps default
     supports_kv_cache = True
-    compile_refused = (
-        "on an H200 (torch 2.11, benchmarks/RESULTS.md run F) the regionally compiled Qwen-Image 2.1 block "
-        "crashed in its first backward with 'CUDA error: an illegal memory access' inside an Inductor kernel of "
-        "the RoPE backward (dynamic shapes); it runs eager")
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.out", "img_mlp.gate_layer")
 
     def __init__(self, transformer, vae, text_encoder, processor, scheduler_config: dict, device: torch.device,
