@@ -40,7 +40,9 @@ def test_bf16_rollout_replays_exactly_on_gpu(tiny_checkpoint, tmp_path):
                                        # the qwen_image recipe's shape: no checkpointing, the text capped
                                        ["parallel.compile=true", "sample.batch_size=4", "train.batch_size=2",
                                         "sample.merge_lora=true", "model.gradient_checkpointing=false",
-                                        "sample.max_sequence_length=128"]])
+                                        "sample.max_sequence_length=128"],
+                                       ["parallel.compile=true", "sample.batch_size=4", "train.batch_size=2",
+                                        "sample.merge_lora=true", "sample.off_window_fp8=true"]])
 def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, overrides):
     from imagerl.train import train
 
@@ -77,3 +79,16 @@ def test_timestep_staging_keeps_the_trajectory_on_the_cpu(tiny_checkpoint, tmp_p
         cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
         out = _step_log_prob(adapter, rollout, batch, 0, cond, cfg)
         assert out.log_prob.is_cuda and torch.equal(out.log_prob.cpu(), rollout.log_probs_BS[batch, 0])
+
+
+def test_fp8_linear_on_gpu_is_the_float64_product_of_its_quantized_factors():
+    """cuBLASLt's row-wise scaled FP8 GEMM against float64 arithmetic on the same e4m3 values (the CPU twin is
+    tests/test_fp8_linear.py); bf16 output rounding only."""
+    from test_fp8_linear import _dequantized
+    from imagerl.families.fp8_linear import Fp8Linear
+
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 512) * 0.02, torch.randn(7, 33, 512)  # M = 231 rows: not a multiple of 16
+    y = Fp8Linear(w.cuda().bfloat16(), None)(x.cuda().bfloat16()).float().cpu()
+    reference = _dequantized(x.bfloat16().float().reshape(-1, 512)) @ _dequantized(w.bfloat16().float()).T
+    torch.testing.assert_close(y.reshape(-1, 256), reference.float(), rtol=2**-7, atol=1e-5)

@@ -47,6 +47,7 @@ DEFAULT_VARIANTS = {
     "qwen_image": {"imagerl (recipe: compile, rollout 16 merged, train 4, no checkpointing)": [],
                    "imagerl, train 8 with checkpointing (any text length)": [
                        "train.batch_size=8", "model.gradient_checkpointing=true", "sample.max_sequence_length=512"],
+                   "imagerl (recipe), off-window steps in FP8": ["sample.off_window_fp8=true"],
                    "imagerl (recipe), every row at the 128-token text cap": [
                        f"sample.negative_prompt={TEXT_CAP_NEGATIVE_PROMPT}"]},
     "qwen_image21": {"imagerl": [], "imagerl b8": ["sample.batch_size=8"]},  # compile refused for 2.1 (see its family)
