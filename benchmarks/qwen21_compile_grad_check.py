@@ -3,7 +3,8 @@
 The log-prob replay check (lp diff) compares forwards only: a wrong backward kernel passes it. This script takes
 `layers` blocks at the released dims (as qwen21_compile_probe.py), a LoRA with B != 0, and for prompts of
 different text lengths compares the LoRA gradients of sum(v * r) (r fixed random) eager against
-`block.compile(dynamic=True)` (apply_parallelism's call), relative to the gradient's norm. bf16 forwards:
+`prepare_compile()` + `block.compile(dynamic=True)` (apply_parallelism's calls), relative to the gradient's
+norm. bf16 forwards:
 compiled and eager round differently, so agreement is to about 1e-2, not bitwise; an out-of-bounds read shows as
 NaN or O(1). `--baseline-first` runs the diffusers + peft baseline before, in the same process, as `imagerl
 bench` does (the compiled variant crashed after it, RESULTS.md run H).
@@ -24,6 +25,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--baseline-first", action="store_true")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--complex-rope", action="store_true", help="skip prepare_compile: diffusers' complex RoPE "
+                   "product in the compiled graph (the code of runs T-W)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
@@ -72,6 +75,8 @@ def main() -> None:
         return out
 
     eager = gradients()
+    if not args.complex_rope:
+        adapter.prepare_compile()  # as apply_parallelism: RoPE as real pairs
     for block in adapter.transformer_blocks():
         block.compile(dynamic=True)
     compiled = [gradients(), gradients()]  # twice: an out-of-bounds read need not repeat its garbage

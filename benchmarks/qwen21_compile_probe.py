@@ -3,10 +3,11 @@
 Each variant runs `imagerl bench`'s own iteration (Bench.run_imagerl: rollout, rewards, Flow-GRPO update) in a
 subprocess of its own, so that a CUDA error (run F: "an illegal memory access" in the first compiled backward)
 ends that variant only. The released block dims (heads, widths) with `--layers` blocks (2: a minute per variant; the per-block
-graph is the same as with 60). Probe switches, given as a variant's overrides beside config overrides:
+graph is the same as with the released 32). Probe switches, given as a variant's overrides beside config overrides:
   probe.force_compile   lift the family's compile refusal (to reproduce the crash)
   probe.static          compile the blocks with dynamic=False (a graph per text length)
-  probe.real_rope       diffusers' complex RoPE product computed in real arithmetic (no view_as_complex)
+  probe.complex_rope    compiled blocks keep diffusers' complex RoPE product (runs T-W: before
+                        QwenImage21Family.prepare_compile gave them real pairs, families/rope_pairs.py)
   probe.baseline_first  run the diffusers + peft baseline first in the same process, as `imagerl bench` does
                         (run H: the compiled variant crashed after it, not alone)
 
@@ -24,20 +25,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-PROBE_SWITCHES = ("probe.force_compile", "probe.static", "probe.real_rope", "probe.baseline_first")
-
-
-def real_rope(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
-    """diffusers' apply_rotary_emb_qwen(use_real=False) as real float32 products: (a + ib)(c + id) =
-    (ac - bd) + i(ad + bc), the pairs interleaved in the last dim as view_as_complex reads them."""
-    import torch
-
-    assert not use_real
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    f = torch.view_as_real(freqs_cis).unsqueeze(1)  # (S, 1, D/2, 2)
-    c, d = f[..., 0], f[..., 1]
-    return torch.stack([a * c - b * d, a * d + b * c], dim=-1).flatten(3).type_as(x)
+PROBE_SWITCHES = ("probe.force_compile", "probe.static", "probe.complex_rope", "probe.baseline_first")
 
 
 def run_variant(name: str, overrides: list[str], layers: int, iterations: int, out: Path) -> None:
@@ -55,10 +43,8 @@ def run_variant(name: str, overrides: list[str], layers: int, iterations: int, o
     if "probe.static" in switches:
         original = torch.nn.Module.compile
         torch.nn.Module.compile = lambda self, *a, **k: original(self, *a, **dict(k, dynamic=False))
-    if "probe.real_rope" in switches:
-        import diffusers.models.transformers.transformer_qwenimage21 as t21
-
-        t21.apply_rotary_emb_qwen = real_rope
+    if "probe.complex_rope" in switches:
+        QwenImage21Family.prepare_compile = lambda self: None
     # released block dims (24 heads of 128 ...), only `layers` of them; the text encoder shrunk as in a dry run
     if layers:  # 0: the released model as the bench builds it
         real_size._transformer_spec = lambda n: {} if n is None else {"num_layers": n}

@@ -92,3 +92,20 @@ def test_fp8_linear_on_gpu_is_the_float64_product_of_its_quantized_factors():
     y = Fp8Linear(w.cuda().bfloat16(), None)(x.cuda().bfloat16()).float().cpu()
     reference = _dequantized(x.bfloat16().float().reshape(-1, 512)) @ _dequantized(w.bfloat16().float()).T
     torch.testing.assert_close(y.reshape(-1, 256), reference.float(), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.gradient_checkpointing=true"]])
+def test_compiled_qwen_image21_training_is_on_policy(tmp_path, monkeypatch, overrides):
+    """Compiled 2.1 blocks (RoPE as real pairs, families/rope_pairs.py) replay the rollout exactly. 2.1's compile
+    refusal is lifted here: this test and tests/test_compile21_gradients.py are what lifting it needs to pass."""
+    from imagerl.families.qwen_image21 import QwenImage21Family
+    from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
+    from imagerl.train import train
+
+    monkeypatch.setattr(QwenImage21Family, "compile_refused", "")
+    checkpoint = make_tiny_qwen_image21(tmp_path / "tiny21")
+    train(tiny_config(checkpoint, tmp_path / "run", "model.device=cuda", "model.dtype=bfloat16",
+                      "parallel.compile=true", "train.num_rollouts=3", "sample.guidance_scale=1.0", *overrides))
+    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in records)
+    assert all(torch.isfinite(torch.tensor(r["train/grad_norm"])) for r in records if "train/grad_norm" in r)

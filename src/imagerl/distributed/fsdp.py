@@ -50,6 +50,7 @@ def apply_parallelism(adapter, cfg: Config, world: World) -> str:
         import torch._dynamo.config as dynamo_config
 
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        adapter.prepare_compile()
         for block in adapter.transformer_blocks():
             block.compile(dynamic=True)
     world.strategy = strategy

@@ -198,6 +198,10 @@ class FamilyAdapter:
         """The repeated blocks of the transformer: the units of activation checkpointing, compile and sharding."""
         return list(self.transformer.transformer_blocks)
 
+    def prepare_compile(self) -> None:
+        """Called by apply_parallelism before the blocks are compiled: a family changes what its blocks receive
+        here if the compiled graph needs it (qwen_image21: RoPE as real pairs). Default: nothing."""
+
     def enable_activation_checkpointing(self, every: int = 1) -> None:
         """diffusers' gradient checkpointing (non-reentrant torch.utils.checkpoint, diffusers' default) of every
         `every`-th transformer block, starting with the first; the other blocks keep their activations for the

@@ -125,6 +125,12 @@ class QwenImage21Family(FamilyAdapter):
         self.latent_channels = self.transformer.config.in_channels  # == vae z_dim (64; tiny: 8)
         self.prompt_cache = PromptCache(prompt_cache_size)
 
+    def prepare_compile(self) -> None:
+        """Compiled blocks get the RoPE as real pairs: no complex operators in the Inductor graph (rope_pairs.py)."""
+        from imagerl.families.rope_pairs import use_real_rope_pairs
+
+        use_real_rope_pairs(self.transformer)
+
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device, dtype: torch.dtype, prompt_cache_size: int = 4096):
         """Load a local diffusers-format Qwen-Image 2.1 directory (transformer/text encoder in `dtype`, VAE fp32)."""
