@@ -4,6 +4,8 @@
 The quickstart model samples 64 px in well under a second per image on a CPU."""
 
 import json
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +217,17 @@ def test_a_long_caption_stays_inside_its_tile(tmp_path):
     for x in (w - 1, w, 2 * w - 1):
         assert min(strip.getpixel((x, y)) for y in range(strip.height)) == 255, f"ink at column {x}"
     assert strip.crop((0, 0, w, strip.height)).getextrema()[0] < 128  # the caption is drawn
+
+
+def test_a_local_directory_named_like_a_shipped_model_is_named_in_a_warning(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quickstart").mkdir()
+    (tmp_path / "quickstart" / "model_index.json").write_text("{}")
+    with pytest.warns(UserWarning, match=r"pass ./quickstart \(a path\)"):
+        shipped = resolve_model_path("quickstart")
+    assert shipped.name == "quickstart-model" and shipped != tmp_path / "quickstart"
+    assert resolve_model_path("./quickstart") == Path("./quickstart")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monkeypatch.chdir(tmp_path / "quickstart")
+        resolve_model_path("quickstart")  # no such local directory: no warning

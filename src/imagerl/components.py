@@ -23,6 +23,8 @@ def resolve_model_path(spec: str, world: World | None = None) -> Path:
     """"tiny" / "tiny21" -> a tiny random Qwen-Image / Qwen-Image 2.1 checkpoint in the cache (built once,
     by rank 0); "quickstart" -> the pretrained model shipped in imagerl/assets; anything else is a
     checkpoint directory."""
+    if spec in BUNDLED_MODELS or spec in TINY_CHECKPOINTS:
+        _warn_if_shadowed(spec)
     if spec in BUNDLED_MODELS:
         from importlib import resources
 
@@ -40,6 +42,15 @@ def resolve_model_path(spec: str, world: World | None = None) -> Path:
     if world is not None:
         world.barrier()
     return path
+
+
+def _warn_if_shadowed(name: str) -> None:
+    """A shipped model name wins over a local directory of that name: say so when one exists."""
+    if (Path(name) / "model_index.json").is_file():
+        import warnings
+
+        warnings.warn(f"{name!r} is imagerl's shipped model; for the checkpoint directory ./{name} here, pass "
+                      f"./{name} (a path)", stacklevel=3)
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:

@@ -84,7 +84,7 @@ def read_model_index(path: Path) -> dict:
     if not index.is_file():
         raise ValueError(
             f"{path} has no model_index.json: not a diffusers-format checkpoint (expected model_index.json, "
-            "transformer/, vae/, scheduler/, text_encoder/, tokenizer/)"
+            "transformer/, vae/, scheduler/, text_encoder/ and tokenizer/ (Qwen-Image) or processor/ (Qwen-Image 2.1))"
         )
     try:
         return json.loads(index.read_text())
