@@ -197,6 +197,11 @@ def test_evaluate_is_deterministic_and_equals_the_pipeline(tiny_checkpoint, adap
     # the grid of evaluate(): 5 tiles in one row, reward and prompt under each
     grid = Image.open(tmp_path / "images" / "eval_000007.png")
     assert grid.width == 5 * 64 and grid.height > 64 + 30
+    # beside it the full prompts (the grid cuts long ones) and every reward
+    record = json.loads((tmp_path / "images" / "eval_000007.json").read_text())
+    assert record["step"] == 7 and record["grid_tiles"] == 5
+    assert [r["prompt"] for r in record["samples"]] == list(PROMPTS.prompts)
+    assert [r["reward"] for r in record["samples"]] == pytest.approx(result.total_N.tolist(), rel=1e-12)
 
 
 def test_eval_settings_seed_max_prompts_and_guidance(tiny_checkpoint, adapter, tmp_path):

@@ -202,11 +202,26 @@ def evaluate(adapter, scorer, test_set: PromptSet, cfg, world: World, step: int,
              progress: bool = True) -> dict[str, float]:
     """Held-out metrics (eval/reward/raw_mean, raw_std, <name>_mean, failed_count, eval/num_prompts, time/eval_s),
     the same on every rank. On rank 0 with run_dir: a grid of the first 16 images with prompts and rewards
-    at run_dir/images/eval_<step:06d>.png. Leaves the adapter in eval mode."""
+    at run_dir/images/eval_<step:06d>.png, and beside it eval_<step:06d>.json with every held-out prompt in full
+    and its rewards. Leaves the adapter in eval mode."""
     result = run_evaluation(adapter, scorer, test_set, cfg, world, progress=progress)
     if world.is_main and run_dir is not None:
-        save_eval_grid(result, Path(run_dir) / "images" / f"eval_{step:06d}.png")
+        grid = save_eval_grid(result, Path(run_dir) / "images" / f"eval_{step:06d}.png")
+        if grid is not None:  # the full prompts (the grid cuts them at 3 lines) and every held-out reward
+            import json
+
+            record = {"step": step, "grid_tiles": result.grid_images_B3HW.shape[0], "samples": sample_records(result)}
+            grid.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     return result.metrics
+
+
+def sample_records(result: EvalResult) -> list[dict]:
+    """Per held-out prompt, in test-set order: index, full prompt, total reward, valid, each component."""
+    from imagerl.metrics import _clean
+
+    return [{"index": i, "prompt": p, "reward": _clean(result.total_N[i].item()), "valid": bool(result.valid_N[i]),
+             **{name: _clean(v[i].item()) for name, v in result.components.items()}}
+            for i, p in enumerate(result.prompts)]
 
 
 def save_eval_grid(result: EvalResult, path: Path) -> Path | None:
@@ -285,10 +300,7 @@ def cli_evaluate(args) -> EvalResult:
     if world.is_main:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        samples = [{"index": i, "prompt": p, "reward": _clean(result.total_N[i].item()),
-                    "valid": bool(result.valid_N[i]),
-                    **{name: _clean(v[i].item()) for name, v in result.components.items()}}
-                   for i, p in enumerate(result.prompts)]
+        samples = sample_records(result)
         record = {"model": str(args.model), "family": adapter.name, "lora": args.lora, "prompts": str(args.prompts),
                   "rewards": cfg.reward.weights, "settings": dataclasses.asdict(result.settings),
                   "model_defaults": str(defaults.source) if defaults.source else None,
