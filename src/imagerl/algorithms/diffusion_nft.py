@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from imagerl.algorithms.flow_grpo import TrainStats, global_clip_grad_norm_
+from imagerl.algorithms.flow_grpo import TrainStats, run_optimizer_steps
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
 from imagerl.distributed.rng import make_generator
@@ -147,49 +147,48 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
     old_is_policy = rollout_step == 0 or old_decay_at(done_before) == 0.0
     # loss, policy, ref, r, |v - v_old|, w+, w-, count: summed on the device, read once after the loop
     sums = torch.zeros(8, dtype=torch.float64, device=adapter.device)
-    grad_norms, ema_decays = [], []
-    adapter.transformer.train()
-    for opt_step in range(t.num_optimizer_steps):
-        optimizer.zero_grad(set_to_none=True)
-        for batch in batches[opt_step * per_step: (opt_step + 1) * per_step]:
-            cond = batch_conditioning(adapter, rollout.text_B[batch], None, 1.0)
-            x0 = rollout.x0_BNC[batch].to(adapter.device)  # a copy from the CPU with train.timestep_staging
-            ids = rollout.sample_ids_B[batch]
-            for j in range(num_trained):
-                idx = order_BT[batch, j].to(rollout.sigmas_T.device)
-                sigma_B, timestep_B = rollout.sigmas_T[idx], rollout.timesteps_T[idx]
-                sig = sigma_B.to(adapter.device).reshape(-1, *([1] * (x0.ndim - 1)))
-                x_t = (1 - sig) * x0 + sig * forward_noise(cfg.run.seed, rollout_step, ids, j, x0)
-                reuse = old_is_policy and opt_step == 0  # the same weights bit for bit: the same velocity
-                if not reuse:  # before the policy's forward: the swap writes the parameters its backward saves
-                    with torch.no_grad(), states.swapped_in("old"):
-                        v_old = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
-                v_ref = None
-                if n.ref_weight > 0:
-                    with torch.no_grad(), adapter.lora_disabled():
-                        v_ref = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
-                v = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
-                if reuse:
-                    v_old = v.detach()
-                terms = nft_loss(v, v_old, v_ref, x_t, x0, sigma_B.to(adapter.device), r_B[batch], n.beta,
-                                 n.ref_weight, t.adv_clip_max, n.adaptive_weight_min)
-                (terms.loss.mean() / micro).backward()
-                with torch.no_grad():
-                    k = terms.loss.numel()
-                    dev = (v - v_old).abs().mean(dim=tuple(range(1, v.ndim))).double()
-                    sums += torch.stack([terms.loss.detach().sum(), terms.policy.detach().sum(), terms.ref.sum(),
-                                         r_B[batch].double().sum(), dev.sum(), terms.w_pos.sum(), terms.w_neg.sum(),
-                                         sums.new_tensor(k)])
-                if progress is not None:
-                    progress.update(1)
-        world.all_reduce_grads(params)  # a no-op under FSDP: backward already reduce-scattered the grads
-        grad_norms.append(global_clip_grad_norm_(params, t.max_grad_norm))
-        optimizer.step()
+    ema_decays = []
+
+    def train_batch(opt_step: int, batch: slice) -> None:
+        nonlocal sums
+        cond = batch_conditioning(adapter, rollout.text_B[batch], None, 1.0)
+        x0 = rollout.x0_BNC[batch].to(adapter.device)  # a copy from the CPU with train.timestep_staging
+        ids = rollout.sample_ids_B[batch]
+        for j in range(num_trained):
+            idx = order_BT[batch, j].to(rollout.sigmas_T.device)
+            sigma_B, timestep_B = rollout.sigmas_T[idx], rollout.timesteps_T[idx]
+            sig = sigma_B.to(adapter.device).reshape(-1, *([1] * (x0.ndim - 1)))
+            x_t = (1 - sig) * x0 + sig * forward_noise(cfg.run.seed, rollout_step, ids, j, x0)
+            reuse = old_is_policy and opt_step == 0  # the same weights bit for bit: the same velocity
+            if not reuse:  # before the policy's forward: the swap writes the parameters its backward saves
+                with torch.no_grad(), states.swapped_in("old"):
+                    v_old = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
+            v_ref = None
+            if n.ref_weight > 0:
+                with torch.no_grad(), adapter.lora_disabled():
+                    v_ref = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
+            v = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
+            if reuse:
+                v_old = v.detach()
+            terms = nft_loss(v, v_old, v_ref, x_t, x0, sigma_B.to(adapter.device), r_B[batch], n.beta,
+                             n.ref_weight, t.adv_clip_max, n.adaptive_weight_min)
+            (terms.loss.mean() / micro).backward()
+            with torch.no_grad():
+                k = terms.loss.numel()
+                dev = (v - v_old).abs().mean(dim=tuple(range(1, v.ndim))).double()
+                sums += torch.stack([terms.loss.detach().sum(), terms.policy.detach().sum(), terms.ref.sum(),
+                                     r_B[batch].double().sum(), dev.sum(), terms.w_pos.sum(), terms.w_neg.sum(),
+                                     sums.new_tensor(k)])
+            if progress is not None:
+                progress.update(1)
+
+    def after_step(opt_step: int) -> None:
         if n.ema:
             ema_decays.append(ema_decay(done_before + opt_step + 1, n.ema_cap))
             states.blend_toward_policy("ema", ema_decays[-1])
-    adapter.transformer.eval()
-    optimizer.zero_grad(set_to_none=True)
+
+    grad_norms = run_optimizer_steps(adapter, optimizer, world, params, batches, t.num_optimizer_steps,
+                                     t.max_grad_norm, train_batch, after_step)
     decay = old_decay_at(done_before + t.num_optimizer_steps)
     states.blend_toward_policy("old", decay)
 

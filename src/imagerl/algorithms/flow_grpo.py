@@ -88,6 +88,29 @@ def global_clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) ->
     return value
 
 
+def run_optimizer_steps(adapter, optimizer, world: World, params, batches: list, num_optimizer_steps: int,
+                        max_grad_norm: float, train_batch, after_step=None) -> list[float]:
+    """The update's skeleton, shared by Flow-GRPO and DiffusionNFT: train mode; per optimizer step zero the
+    grads, train_batch(opt_step, batch) (its backward calls) over that step's equal share of `batches`, all-reduce,
+    clip (NonFiniteError before a non-finite step), step, after_step(opt_step); then eval mode, grads freed.
+    Returns the gradient norms before clipping."""
+    per_step = len(batches) // num_optimizer_steps
+    grad_norms = []
+    adapter.transformer.train()
+    for opt_step in range(num_optimizer_steps):
+        optimizer.zero_grad(set_to_none=True)
+        for batch in batches[opt_step * per_step: (opt_step + 1) * per_step]:
+            train_batch(opt_step, batch)
+        world.all_reduce_grads(params)  # a no-op under FSDP: backward already reduce-scattered the grads
+        grad_norms.append(global_clip_grad_norm_(params, max_grad_norm))
+        optimizer.step()
+        if after_step is not None:
+            after_step(opt_step)
+    adapter.transformer.eval()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norms
+
+
 def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, optimizer: torch.optim.Optimizer,
                      cfg: Config, world: World, progress=None) -> TrainStats:
     t = cfg.train
@@ -100,38 +123,34 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
     # loss, policy, kl, clipfrac, approx_kl, |ratio-1|, count, on-policy |diff|, on-policy count: summed on the
     # device, read once after the loop (no host sync per micro-step)
     sums = torch.zeros(9, dtype=torch.float64, device=adapter.device)
-    grad_norms = []
-    adapter.transformer.train()
-    for opt_step in range(t.num_optimizer_steps):
-        optimizer.zero_grad(set_to_none=True)
-        for batch in batches[opt_step * per_step : (opt_step + 1) * per_step]:
-            cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
-            for j in range(num_steps_window):
-                out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
-                old = rollout.log_probs_BS[batch, j].to(adapter.device)
-                policy_B, ratio = ppo_clip_loss(out.log_prob, old, advantages_B[batch], t.clip_range, t.adv_clip_max)
-                kl_B = torch.zeros_like(policy_B)
-                if t.beta > 0:
-                    with torch.no_grad(), adapter.lora_disabled():
-                        ref = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
-                    kl_B = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
-                loss = policy_B.mean() + t.beta * kl_B.mean()
-                (loss / micro).backward()
-                with torch.no_grad():
-                    diff = (out.log_prob - old).double()
-                    n = diff.numel()
-                    on = float(opt_step == 0)
-                    sums += torch.stack([loss.detach().double() * n, policy_B.sum().double(), kl_B.sum().double(),
-                                         ((ratio - 1).abs() > t.clip_range).double().sum(), (0.5 * diff**2).sum(),
-                                         (ratio - 1).abs().double().sum(), diff.new_tensor(n),
-                                         on * diff.abs().sum(), diff.new_tensor(on * n)])
-                if progress is not None:
-                    progress.update(1)
-        world.all_reduce_grads(params)  # a no-op under FSDP: backward already reduce-scattered the grads
-        grad_norms.append(global_clip_grad_norm_(params, t.max_grad_norm))
-        optimizer.step()
-    adapter.transformer.eval()
-    optimizer.zero_grad(set_to_none=True)
+
+    def train_batch(opt_step: int, batch: slice) -> None:
+        nonlocal sums
+        cond = rollout.conditioning(adapter, batch, cfg.sample.guidance_scale)
+        for j in range(num_steps_window):
+            out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
+            old = rollout.log_probs_BS[batch, j].to(adapter.device)
+            policy_B, ratio = ppo_clip_loss(out.log_prob, old, advantages_B[batch], t.clip_range, t.adv_clip_max)
+            kl_B = torch.zeros_like(policy_B)
+            if t.beta > 0:
+                with torch.no_grad(), adapter.lora_disabled():
+                    ref = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
+                kl_B = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
+            loss = policy_B.mean() + t.beta * kl_B.mean()
+            (loss / micro).backward()
+            with torch.no_grad():
+                diff = (out.log_prob - old).double()
+                n = diff.numel()
+                on = float(opt_step == 0)
+                sums += torch.stack([loss.detach().double() * n, policy_B.sum().double(), kl_B.sum().double(),
+                                     ((ratio - 1).abs() > t.clip_range).double().sum(), (0.5 * diff**2).sum(),
+                                     (ratio - 1).abs().double().sum(), diff.new_tensor(n),
+                                     on * diff.abs().sum(), diff.new_tensor(on * n)])
+            if progress is not None:
+                progress.update(1)
+
+    grad_norms = run_optimizer_steps(adapter, optimizer, world, params, batches, t.num_optimizer_steps,
+                                     t.max_grad_norm, train_batch)
 
     totals = world.all_reduce_mean_(sums.to(world.device)).cpu()  # equal counts per rank: mean of sums is fine
     count = totals[6].item()
