@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_config
 from imagerl.families.fp8_linear import E4M3, Fp8Linear, quantize_rows
 from imagerl.families.merged_lora import MergedLora
-from test_merged_lora import _adapter, _inputs
+from test_merged_lora import _adapter, _velocities
 
 
 def _dequantized(t: torch.Tensor) -> torch.Tensor:
@@ -65,11 +65,7 @@ def test_zero_rows_stay_zero_and_misaligned_weights_are_refused():
 
 def test_fp8_merged_weights_approximate_the_lora_model_and_are_swapped_back(tiny_checkpoint, tmp_path):
     adapter = _adapter(tiny_config(tiny_checkpoint, tmp_path))
-    x, t, cond = _inputs(adapter)
-    with torch.no_grad():
-        with_lora = adapter.velocity(x, t, cond, 64, 64)
-        with adapter.lora_disabled():
-            base = adapter.velocity(x, t, cond, 64, 64)
+    (x, t, cond), with_lora, base = _velocities(adapter)
     modules = dict(adapter.transformer.named_modules())
     merged = MergedLora(adapter.transformer, fp8=True)
     assert len(merged.fp8_swaps) > 0

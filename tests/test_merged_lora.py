@@ -32,13 +32,19 @@ def _inputs(adapter):
     return x, torch.tensor([500.0, 500.0]), cond
 
 
-def test_merged_weights_give_the_lora_model_and_are_swapped_back(tiny_checkpoint, tmp_path):
-    adapter = _adapter(tiny_config(tiny_checkpoint, tmp_path))
+def _velocities(adapter):
+    """(inputs, the velocity with the LoRA, the base model's velocity)."""
     x, t, cond = _inputs(adapter)
     with torch.no_grad():
         with_lora = adapter.velocity(x, t, cond, 64, 64)
         with adapter.lora_disabled():
             base = adapter.velocity(x, t, cond, 64, 64)
+    return (x, t, cond), with_lora, base
+
+
+def test_merged_weights_give_the_lora_model_and_are_swapped_back(tiny_checkpoint, tmp_path):
+    adapter = _adapter(tiny_config(tiny_checkpoint, tmp_path))
+    (x, t, cond), with_lora, base = _velocities(adapter)
     before = {n: p for n, p in adapter.transformer.named_parameters()}
     merged = MergedLora(adapter.transformer)
     assert len(merged.swaps) > 0
