@@ -88,3 +88,15 @@ def test_off_window_fp8_needs_merge_lora(tiny_checkpoint, tmp_path):
     cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.off_window_fp8=true", "train.num_optimizer_steps=1")
     with pytest.raises(ValueError, match="needs sample.merge_lora=true"):
         validate(cfg, world_size=1)
+
+
+def test_a_device_without_fp8_matmuls_is_refused_before_the_model_loads(monkeypatch):
+    from imagerl.families import fp8_linear
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert fp8_linear.fp8_supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match="A100-SXM4-80GB has none: set sample.off_window_fp8=false"):
+        fp8_linear.check_fp8_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fp8_linear.check_fp8_device(torch.device("cuda"))

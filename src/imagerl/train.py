@@ -35,6 +35,10 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Pa
         set_deterministic(cfg.run.seed, resolve_device(cfg.model.device))
     world = init_world(cfg.model.device)
     plan = validate(cfg, world.size)  # every config error before anything slow
+    if cfg.sample.off_window_fp8:
+        from imagerl.families.fp8_linear import check_fp8_device
+
+        check_fp8_device(world.device)
     check_reward_config(cfg.reward)  # names and model paths, before any model loads
     if cfg.run.wandb:
         require_wandb()

@@ -30,6 +30,13 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
+def check_fp8_device(device: torch.device) -> None:
+    """sample.off_window_fp8 on a device without FP8 matmuls: say so before any model loads."""
+    if not fp8_supported(device):
+        raise ValueError(f"sample.off_window_fp8 needs FP8 matmuls (CUDA compute capability 8.9+: Ada, Hopper or "
+                         f"newer); {torch.cuda.get_device_name(device)} has none: set sample.off_window_fp8=false")
+
+
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, fp32 scale per row of shape (rows, 1)) with t ~= values * scale, for a 2-D t."""
     scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX) / E4M3_MAX

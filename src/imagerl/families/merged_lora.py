@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from imagerl.families.fp8_linear import Fp8Linear, fp8_alignable, fp8_supported
+from imagerl.families.fp8_linear import Fp8Linear, check_fp8_device, fp8_alignable
 
 
 def _merged(module, names: list[str], weight: torch.Tensor) -> torch.Tensor:
@@ -59,10 +59,8 @@ class MergedLora:
                                      "parallel.strategy=replicate); under FSDP set sample.merge_lora=false")
                 if module.merged or module.disable_adapters or not names:  # its forward is the base layer already
                     continue
-                if fp8 and not fp8_supported(weight.device):
-                    raise ValueError(f"sample.off_window_fp8 needs FP8 matmuls (CUDA compute capability 8.9+: Ada, "
-                                     f"Hopper or newer); {torch.cuda.get_device_name(weight.device)} has none: set "
-                                     f"sample.off_window_fp8=false")
+                if fp8:
+                    check_fp8_device(weight.device)
                 merged = _merged(module, names, weight)
                 if fp8 and fp8_alignable(base):  # a misaligned layer (dims not multiples of 16) keeps bf16 merged
                     self.fp8_swaps.append((module, base, Fp8Linear(merged, base.bias)))
