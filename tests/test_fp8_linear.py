@@ -100,3 +100,16 @@ def test_a_device_without_fp8_matmuls_is_refused_before_the_model_loads(monkeypa
         fp8_linear.check_fp8_device(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     fp8_linear.check_fp8_device(torch.device("cuda"))
+
+
+def test_diffusion_nft_trains_with_its_rollout_in_fp8(tiny_checkpoint, tmp_path):
+    """DiffusionNFT's rollout is all ODE steps (nothing replayed): with sample.off_window_fp8 every one runs FP8;
+    the update (bf16/fp32, unmerged) is unaffected."""
+    import json
+
+    from imagerl.train import train
+
+    train(tiny_config(tiny_checkpoint, tmp_path, "train.algorithm=diffusion_nft", "nft.solver=euler",
+                      "sample.merge_lora=true", "sample.off_window_fp8=true", "train.num_rollouts=2"))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["train/loss"])) for r in records)
