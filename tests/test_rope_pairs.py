@@ -43,3 +43,23 @@ def test_prepared_2_1_model_predicts_the_same_velocity(tmp_path):
         after = adapter.velocity(x, t, cond, 64, 64)
     assert t21.apply_rotary_emb_qwen is rope_product
     assert torch.equal(after, before)
+
+
+def test_prepared_2_1_model_with_the_prefix_kv_cache_predicts_the_same_velocity(tmp_path):
+    """The cached steps slice the rope to the target tokens (rotary_emb[prefix_len:]): the real pairs slice alike."""
+    adapter = QwenImage21Family.from_pretrained(make_tiny_qwen_image21(tmp_path / "tiny21"), torch.device("cpu"),
+                                               torch.float32)
+    emb = adapter.encode_prompts(['A neon sign that says "OPEN"', "a cat"])
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, adapter.image_seq_len(64, 64), adapter.latent_channels, generator=gen) for _ in range(3)]
+    ts = [torch.full((2,), t) for t in (980.0, 510.0, 120.0)]
+
+    def run():
+        cond = adapter.conditioning(emb, None, 1.0, kv_cache=True)
+        with torch.no_grad():
+            return [adapter.velocity(x, t, cond, 64, 64) for x, t in zip(xs, ts)]
+
+    complex_product = run()
+    adapter.prepare_compile()
+    for a, b in zip(run(), complex_product):
+        assert torch.equal(a, b)
