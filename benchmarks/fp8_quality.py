@@ -5,7 +5,7 @@ Every step in FP8 bounds the rollout's effect from above: a Flow-GRPO rollout ru
 in FP8 (e.g. 7 of 10) and the window steps, the ones trained on, in bf16. Reports the paired reward difference
 (mean and its standard error over prompts) and the pixel difference of the first images.
 
-    python benchmarks/fp8_quality.py --model quickstart --lora runs/quickstart/checkpoints/latest \
+    python benchmarks/fp8_quality.py --model quickstart --lora runs/quickstart/checkpoints/step_000060/lora \
         --prompts shapes-test --out fp8_quality                        # CPU, the quickstart model (a minute)
     python benchmarks/fp8_quality.py --model /models/Qwen-Image --prompts ocr-test --reward ocr --steps 10 \
         --height 512 --width 512 --device cuda --out $OUT              # GPU, a released checkpoint

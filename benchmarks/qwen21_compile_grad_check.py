@@ -4,10 +4,9 @@ The log-prob replay check (lp diff) compares forwards only: a wrong backward ker
 `layers` blocks at the released dims (as qwen21_compile_probe.py), a LoRA with B != 0, and for prompts of
 different text lengths compares the LoRA gradients of sum(v * r) (r fixed random) eager against
 `prepare_compile()` + `block.compile(dynamic=True)` (apply_parallelism's calls), relative to the gradient's
-norm. bf16 forwards:
-compiled and eager round differently, so agreement is to about 1e-2, not bitwise; an out-of-bounds read shows as
-NaN or O(1). `--baseline-first` runs the diffusers + peft baseline before, in the same process, as `imagerl
-bench` does (the compiled variant crashed after it, RESULTS.md run H).
+norm. bf16 forwards: compiled and eager round differently, so agreement is to about 1e-2, not bitwise; an
+out-of-bounds read shows as NaN or O(1). `--baseline-first` runs the diffusers + peft baseline before, in the
+same process, as `imagerl bench` does (the compiled variant crashed after it, RESULTS.md run V).
 
     python3 benchmarks/qwen21_compile_grad_check.py --layers 2 --baseline-first --out $OUT
 """
@@ -30,14 +29,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
-    import imagerl.perf.real_size as real_size
     from imagerl.components import prepare_adapter, resolve_family_defaults
     from imagerl.perf.bench import Bench
     from imagerl.rollout import batch_conditioning
 
-    real_size._transformer_spec = lambda n: {} if n is None else {"num_layers": n}
-    build = real_size.build_qwen_image21
-    real_size.build_qwen_image21 = lambda device, prompts, _layers=None: build(device, prompts, args.layers)
+    from qwen21_compile_probe import use_layers  # this folder is on sys.path when the script runs
+
+    use_layers(args.layers)
     device = torch.device(args.device)
     bench = Bench("qwen_image21", device, False, args.out / "work", warmup=1, iterations=1)
     if args.baseline_first:

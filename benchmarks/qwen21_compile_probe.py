@@ -28,10 +28,20 @@ from pathlib import Path
 PROBE_SWITCHES = ("probe.force_compile", "probe.static", "probe.complex_rope", "probe.baseline_first")
 
 
+def use_layers(layers: int) -> None:
+    """The bench builds `layers` blocks at the released dims (the text encoder shrunk as in a dry run); 0: the
+    released model as the bench builds it."""
+    import imagerl.perf.real_size as real_size
+
+    if layers:
+        real_size._transformer_spec = lambda n: {} if n is None else {"num_layers": n}
+        build = real_size.build_qwen_image21  # Bench passes layers=None (released size): `layers` blocks instead
+        real_size.build_qwen_image21 = lambda device, prompts, _layers=None: build(device, prompts, layers)
+
+
 def run_variant(name: str, overrides: list[str], layers: int, iterations: int, out: Path) -> None:
     import torch
 
-    import imagerl.perf.real_size as real_size
     from imagerl.families.qwen_image21 import QwenImage21Family
     from imagerl.perf.bench import Bench
     from imagerl.perf.flops import measure_matmul_flops_per_s
@@ -45,11 +55,7 @@ def run_variant(name: str, overrides: list[str], layers: int, iterations: int, o
         torch.nn.Module.compile = lambda self, *a, **k: original(self, *a, **dict(k, dynamic=False))
     if "probe.complex_rope" in switches:
         QwenImage21Family.prepare_compile = lambda self: None
-    # released block dims (24 heads of 128 ...), only `layers` of them; the text encoder shrunk as in a dry run
-    if layers:  # 0: the released model as the bench builds it
-        real_size._transformer_spec = lambda n: {} if n is None else {"num_layers": n}
-        build = real_size.build_qwen_image21  # Bench passes layers=None (released size): `layers` blocks instead
-        real_size.build_qwen_image21 = lambda device, prompts, _layers=None: build(device, prompts, layers)
+    use_layers(layers)
     device = torch.device("cuda")
     ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=8192, iterations=10)
     bench = Bench("qwen_image21", device, False, out / "work", warmup=1, iterations=iterations)

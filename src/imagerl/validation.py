@@ -125,7 +125,7 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         # a one-GPU speed setting of the bundled recipes: under FSDP the weights are sharded, so the rollout runs
         # unmerged (the same function) and the recipe still runs unchanged
         warnings.warn("sample.merge_lora has no effect under FSDP (sharded weights): the rollout runs the unmerged "
-                      "LoRA; parallel.strategy=replicate keeps it", stacklevel=2)
+                      "LoRA (sample.off_window_fp8 with it); parallel.strategy=replicate keeps it", stacklevel=2)
         s.merge_lora = False
         s.off_window_fp8 = False
     if s.off_window_fp8 and not s.merge_lora:

@@ -43,9 +43,9 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
-def fp8_alignable(linear: torch.nn.Linear) -> bool:
-    out_features, in_features = linear.weight.shape
-    return out_features % FP8_ALIGNMENT == 0 and in_features % FP8_ALIGNMENT == 0
+def fp8_alignable(weight: torch.Tensor) -> bool:
+    """Both dims of an (out, in) weight multiples of FP8_ALIGNMENT."""
+    return all(size % FP8_ALIGNMENT == 0 for size in weight.shape)
 
 
 class Fp8Linear(torch.nn.Module):
@@ -54,7 +54,7 @@ class Fp8Linear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         out_features, in_features = weight.shape
-        if out_features % FP8_ALIGNMENT or in_features % FP8_ALIGNMENT:
+        if not fp8_alignable(weight):
             raise ValueError(f"FP8 GEMMs need weight dims divisible by {FP8_ALIGNMENT}, got {tuple(weight.shape)}")
         values, scale = quantize_rows(weight.detach())
         self.in_features, self.out_features = in_features, out_features

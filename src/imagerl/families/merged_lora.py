@@ -47,6 +47,8 @@ class MergedLora:
         self.swaps: list[tuple[torch.nn.Module, torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
         # (peft layer, its base nn.Linear, the Fp8Linear that stands in for it) under fp8
         self.fp8_swaps: list[tuple[torch.nn.Module, torch.nn.Module, Fp8Linear]] = []
+        if fp8:
+            check_fp8_device(next(transformer.parameters()).device)
         with torch.no_grad():
             for module in transformer.modules():
                 if not isinstance(module, LoraLayer):
@@ -59,10 +61,8 @@ class MergedLora:
                                      "parallel.strategy=replicate); under FSDP set sample.merge_lora=false")
                 if module.merged or module.disable_adapters or not names:  # its forward is the base layer already
                     continue
-                if fp8:
-                    check_fp8_device(weight.device)
                 merged = _merged(module, names, weight)
-                if fp8 and fp8_alignable(base):  # a misaligned layer (dims not multiples of 16) keeps bf16 merged
+                if fp8 and fp8_alignable(weight):  # a misaligned layer (dims not multiples of 16) keeps bf16 merged
                     self.fp8_swaps.append((module, base, Fp8Linear(merged, base.bias)))
                 else:
                     self.swaps.append((module, base, weight, torch.nn.Parameter(merged, requires_grad=False)))
