@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# Issue 22 on one GPU in one call: is the compiled 2.1 backward right with the RoPE as real pairs
-# (families/rope_pairs.py), and if so, the compiled variants side by side with the baseline in one process.
+# Issue 22 on one GPU in one call (device calls are capped at 600 s): is the compiled 2.1 backward right with the
+# RoPE as real pairs (families/rope_pairs.py), and if so, the compiled variants beside the baseline in one process.
 #   bash benchmarks/qwen21_compile_session.sh $OUT        (the wheels of ../shared/tools/device-wheels.sh in .whl/)
-# Steps (each under `timeout`, so one hang leaves the rest):
+# Steps, each under `timeout` within one deadline (SESSION_S, default 570 s), so one hang leaves the rest:
 #   1. LoRA gradients compiled vs eager after the baseline ran in the process (qwen21_compile_grad_check.py);
 #   2. if they agree (relative error < 5e-2, finite): `imagerl bench --family qwen_image21` with the family's compile
-#      refusal lifted for this process, eager recipe + compiled variants;
-#   3. the same gradient check with diffusers' complex RoPE in the compiled graph (the code of runs T-W).
+#      refusal lifted for this process: the baseline and the compiled variants;
+#   3. the GPU tests of the compiled 2.1 replay (tests/test_gpu.py, tests/test_compile21_gradients.py);
+#   4. with what time is left: the gradient check with diffusers' complex RoPE compiled (the code of runs T-W).
 out=${1:?usage: $0 OUT}
+deadline=$((SECONDS + ${SESSION_S:-570}))
+left() { local s=$((deadline - SECONDS)); [ "$s" -lt "$1" ] && echo "$s" || echo "$1"; }
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD/src
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-timeout 170 python3 benchmarks/qwen21_compile_grad_check.py --layers 2 --baseline-first --out "$out/pairs" \
+timeout "$(left 170)" python3 benchmarks/qwen21_compile_grad_check.py --layers 2 --baseline-first --out "$out/pairs" \
     2>&1 | tail -n 20 | tee "$out/grad_pairs.log"
 if python3 - "$out/pairs/grad_check.json" <<'PY'
 import json, math, sys
@@ -22,22 +25,24 @@ print(f"gate: worst gradient relative error {worst:.3e}")
 sys.exit(0 if math.isfinite(worst) and worst < 5e-2 else 1)
 PY
 then
-    timeout "${BENCH_TIMEOUT:-400}" python3 - "$out/bench" <<'PY' 2>&1 | grep -v "it/s\]$" | tee "$out/bench.log"
+    timeout "$(left $((${BENCH_S:-360})))" python3 - "$out/bench" <<'PY' 2>&1 | grep -v "it/s\]$" | tee "$out/bench.log"
 import sys
 from imagerl.families.qwen_image21 import QwenImage21Family
 from imagerl.cli import main
 QwenImage21Family.compile_refused = ""  # what this session tests: compile with the RoPE as real pairs
 c = "parallel.compile=true"
 sys.exit(main(["bench", "--family", "qwen_image21", "--warmup", "1", "--iterations", "2", "--out", sys.argv[1],
-               "--variant", "imagerl eager (recipe):",
                "--variant", f"imagerl compile:{c}",
                "--variant", f"imagerl compile b8:{c},sample.batch_size=8",
                "--variant", f"imagerl compile b8 merged:{c},sample.batch_size=8,sample.merge_lora=true",
                "--variant", f"imagerl compile b8 merged FP8:{c},sample.batch_size=8,sample.merge_lora=true,"
                             "sample.off_window_fp8=true"]))
 PY
+    timeout "$(left 150)" python3 -m pytest -q -x tests/test_compile21_gradients.py \
+        "tests/test_gpu.py::test_compiled_qwen_image21_training_is_on_policy" 2>&1 | tail -n 15 | tee "$out/pytest.log"
 else
     echo "gate failed: no bench"
 fi
-timeout 150 python3 benchmarks/qwen21_compile_grad_check.py --layers 2 --baseline-first --complex-rope \
+timeout "$(left 150)" python3 benchmarks/qwen21_compile_grad_check.py --layers 2 --baseline-first --complex-rope \
     --out "$out/complex" 2>&1 | tail -n 20 | tee "$out/grad_complex.log"
+echo "session used $SECONDS s"
