@@ -10,7 +10,7 @@
 #   4. with what time is left: the gradient check with diffusers' complex RoPE compiled (the code of runs T-W).
 out=${1:?usage: $0 OUT}
 deadline=$((SECONDS + ${SESSION_S:-570}))
-left() { local s=$((deadline - SECONDS)); [ "$s" -lt "$1" ] && echo "$s" || echo "$1"; }
+left() { local s=$((deadline - SECONDS)); [ "$s" -lt 1 ] && s=1; [ "$s" -lt "$1" ] && echo "$s" || echo "$1"; }  # timeout 0 = none
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD/src
