@@ -30,13 +30,13 @@ import sys
 from imagerl.families.qwen_image21 import QwenImage21Family
 from imagerl.cli import main
 QwenImage21Family.compile_refused = ""  # what this session tests: compile with the RoPE as real pairs
-c = "parallel.compile=true"
+c, b8m = "parallel.compile=true", "sample.batch_size=8,sample.merge_lora=true"
 sys.exit(main(["bench", "--family", "qwen_image21", "--warmup", "1", "--iterations", "2", "--out", sys.argv[1],
                "--variant", f"imagerl compile:{c}",
-               "--variant", f"imagerl compile b8:{c},sample.batch_size=8",
-               "--variant", f"imagerl compile b8 merged:{c},sample.batch_size=8,sample.merge_lora=true",
-               "--variant", f"imagerl compile b8 merged FP8:{c},sample.batch_size=8,sample.merge_lora=true,"
-                            "sample.off_window_fp8=true"]))
+               "--variant", f"imagerl compile b8 merged:{c},{b8m}",
+               "--variant", f"imagerl compile b8 merged FP8:{c},{b8m},sample.off_window_fp8=true",
+               "--variant", f"imagerl compile b8 merged FP8, no checkpointing:{c},{b8m},sample.off_window_fp8=true,"
+                            "model.gradient_checkpointing=false"]))
 PY
     timeout "$(left 150)" python3 -m pytest -q -x tests/test_compile21_gradients.py \
         "tests/test_gpu.py::test_compiled_qwen_image21_training_is_on_policy" 2>&1 | tail -n 15 | tee "$out/pytest.log"
