@@ -126,10 +126,13 @@ class QwenImage21Family(FamilyAdapter):
         self.prompt_cache = PromptCache(prompt_cache_size)
 
     def prepare_compile(self) -> None:
-        """Compiled blocks get the RoPE as real pairs: no complex operators in the Inductor graph (rope_pairs.py)."""
+        """Compiled blocks get the RoPE as real pairs: no complex operators in the Inductor graph (rope_pairs.py),
+        and attention without the cuDNN backend, whose compiled backward faults on the GPU (attention_backends.py)."""
+        from imagerl.families.attention_backends import exclude_cudnn_attention
         from imagerl.families.rope_pairs import use_real_rope_pairs
 
         use_real_rope_pairs(self.transformer)
+        exclude_cudnn_attention(self.transformer_blocks())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device, dtype: torch.dtype, prompt_cache_size: int = 4096):

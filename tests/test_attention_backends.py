@@ -1,0 +1,73 @@
+"""exclude_cudnn_attention (families/attention_backends.py): the compiled 2.1 blocks run their attention with the
+cuDNN backend off (its compiled backward faulted on the GPU, RESULTS.md issue 22 run Y), in eager and inside
+a fullgraph torch.compile, and backends turned off before (parallel.deterministic) stay off."""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+
+from imagerl.families.attention_backends import backends_without_cudnn, exclude_cudnn_attention
+from imagerl.families.qwen_image21 import QwenImage21Family
+from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
+
+
+class PlainAttention(torch.nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, q):
+        self.seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+def test_cudnn_is_off_inside_the_block_and_restored_after():
+    block = Attention()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert exclude_cudnn_attention([block]) == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                SDPBackend.MATH]
+    q = torch.randn(1, 2, 5, 8)
+    out = block(q)
+    assert block.seen == [(False, True)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process keeps its settings outside the block
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q), rtol=0, atol=0)
+    exclude_cudnn_attention([block])  # a second call wraps nothing twice
+    assert block.forward.__wrapped__.__self__ is block
+
+
+def test_the_wrapped_block_compiles_as_one_graph():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    block = PlainAttention()
+    exclude_cudnn_attention([block])
+    q = torch.randn(1, 2, 5, 8)
+    compiled = torch.compile(block, fullgraph=True, backend="eager")  # fullgraph: a graph break raises
+    torch.testing.assert_close(compiled(q), F.scaled_dot_product_attention(q, q, q))
+
+
+def test_backends_disabled_before_stay_disabled():
+    flash, efficient = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        assert backends_without_cudnn() == [SDPBackend.MATH]  # what parallel.deterministic leaves
+        block = Attention()
+        exclude_cudnn_attention([block])
+        block(torch.randn(1, 2, 5, 8))
+        assert block.seen == [(False, False)]
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
+        torch.backends.cuda.enable_mem_efficient_sdp(efficient)
+
+
+def test_qwen_image21_prepare_compile_wraps_every_block(tmp_path):
+    adapter = QwenImage21Family.from_pretrained(make_tiny_qwen_image21(tmp_path / "tiny"), torch.device("cpu"),
+                                                torch.float32)
+    adapter.prepare_compile()
+    assert all(block._imagerl_sdpa_backends for block in adapter.transformer_blocks())
