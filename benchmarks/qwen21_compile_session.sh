@@ -27,9 +27,7 @@ PY
 then
     timeout "$(left $((${BENCH_S:-390})))" python3 - "$out/bench" <<'PY' 2>&1 | grep -v "it/s\]$" | tee "$out/bench.log"
 import sys
-from imagerl.families.qwen_image21 import QwenImage21Family
 from imagerl.cli import main
-QwenImage21Family.compile_refused = ""  # what this session tests: compile after prepare_compile
 c, b8m = "parallel.compile=true", "sample.batch_size=8,sample.merge_lora=true"
 sys.exit(main(["bench", "--family", "qwen_image21", "--warmup", "1", "--iterations", "2", "--out", sys.argv[1],
                "--variant", f"imagerl compile:{c}",

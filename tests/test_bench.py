@@ -81,7 +81,9 @@ def test_bench_without_a_gpu_says_so():
 
 
 def test_dry_bench_qwen_image21_counts_flops_with_and_without_kv_cache(tmp_path):
-    rows = run_bench("qwen_image21", {"imagerl": [], "kv cache": ["sample.kv_cache=true"]}, warmup=0, iterations=1,
+    # the recipe's off-window steps run merged (no LoRA FLOPs there); unmerged, its FLOPs are the baseline's
+    rows = run_bench("qwen_image21", {"imagerl": ["sample.merge_lora=false"], "kv cache": ["sample.kv_cache=true"]},
+                     warmup=0, iterations=1,
                      dry=True, out=tmp_path, echo=lambda *_: None)
     # the baseline: the 2.1 diffusers + peft loop (perf/baseline21.py) on QwenImage21Pipeline around the shared modules
     assert [r.name for r in rows] == ["baseline (diffusers+peft)", "imagerl", "kv cache"]

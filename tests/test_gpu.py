@@ -95,14 +95,12 @@ def test_fp8_linear_on_gpu_is_the_float64_product_of_its_quantized_factors():
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.gradient_checkpointing=true"]])
-def test_compiled_qwen_image21_training_is_on_policy(tmp_path, monkeypatch, overrides):
-    """Compiled 2.1 blocks (RoPE as real pairs, families/rope_pairs.py) replay the rollout exactly. 2.1's compile
-    refusal is lifted here: this test and tests/test_compile21_gradients.py are what lifting it needs to pass."""
-    from imagerl.families.qwen_image21 import QwenImage21Family
+def test_compiled_qwen_image21_training_is_on_policy(tmp_path, overrides):
+    """Compiled 2.1 blocks (RoPE as real pairs, attention without cuDNN: the family's prepare_compile) replay the
+    rollout exactly and train on finite gradients (their values: tests/test_compile21_gradients.py)."""
     from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
     from imagerl.train import train
 
-    monkeypatch.setattr(QwenImage21Family, "compile_refused", "")
     checkpoint = make_tiny_qwen_image21(tmp_path / "tiny21")
     train(tiny_config(checkpoint, tmp_path / "run", "model.device=cuda", "model.dtype=bfloat16",
                       "parallel.compile=true", "train.num_rollouts=3", "sample.guidance_scale=1.0", *overrides))

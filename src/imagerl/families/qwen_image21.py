@@ -101,12 +101,6 @@ class QwenImage21Family(FamilyAdapter):
     default_guidance_scale = 1.0  # the pipeline's default: 2.1 is sampled without guidance
     default_num_steps = 40  # QwenImage21Pipeline's num_inference_steps default
     supports_kv_cache = True
-    compile_refused = (
-        "the regionally compiled Qwen-Image 2.1 backward reads memory it should not on the GPU (torch 2.11): "
-        "'CUDA error: an illegal memory access' in an Inductor kernel of the RoPE backward (H200 run F; H100 "
-        "run V, after another model in the same process), and with dynamic=False a NaN gradient (run W); alone in "
-        "its process it ran (run U), so a run could also train on garbage unnoticed (benchmarks/RESULTS.md); "
-        "it runs eager")
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.out", "img_mlp.gate_layer")
 
     def __init__(self, transformer, vae, text_encoder, processor, scheduler_config: dict, device: torch.device,
