@@ -5,16 +5,11 @@
 #   bash benchmarks/qwen21_compile_session.sh $OUT        (the wheels of ../shared/tools/device-wheels.sh in .whl/)
 # Steps, each under `timeout` within one deadline (SESSION_S, default 570 s), so one hang leaves the rest:
 #   1. LoRA gradients compiled vs eager after the baseline ran in the process (qwen21_compile_grad_check.py);
-#   2. if they agree (relative error < 5e-2, finite): `imagerl bench --family qwen_image21` with the family's compile
-#      refusal lifted for this process: the baseline and the compiled variants;
+#   2. if they agree (relative error < 5e-2, finite): `imagerl bench --family qwen_image21`: the baseline and the
+#      compiled variants (RESULTS.md run Z);
 #   3. the GPU tests of the compiled 2.1 replay (tests/test_gpu.py, tests/test_compile21_gradients.py).
 out=${1:?usage: $0 OUT}
-deadline=$((SECONDS + ${SESSION_S:-570}))
-left() { local s=$((deadline - SECONDS)); [ "$s" -lt 1 ] && s=1; [ "$s" -lt "$1" ] && echo "$s" || echo "$1"; }  # timeout 0 = none
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-export PYTHONPATH=/tmp/site:$PWD/src
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/device_session.sh"
 timeout "$(left 150)" python3 benchmarks/qwen21_compile_grad_check.py --layers 2 --baseline-first --out "$out/pairs" \
     2>&1 | tail -n 20 | tee "$out/grad_pairs.log"
 if python3 - "$out/pairs/grad_check.json" <<'PY'

@@ -5,12 +5,7 @@
 #   2. after the baseline, every kernel launched synchronously (CUDA_LAUNCH_BLOCKING=1): the faulting kernel's
 #      traceback, and the generated Inductor code (*.py of the cache) in OUT/inductor_py.tgz.
 out=${1:?usage: $0 OUT}
-deadline=$((SECONDS + ${SESSION_S:-570}))
-left() { local s=$((deadline - SECONDS)); [ "$s" -lt 1 ] && s=1; [ "$s" -lt "$1" ] && echo "$s" || echo "$1"; }
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-export PYTHONPATH=/tmp/site:$PWD/src
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/device_session.sh"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 timeout "$(left 170)" python3 benchmarks/qwen21_compile_grad_check.py --layers 2 --out /tmp/alone 2>&1 \
     | grep -v "it/s\]$" | tail -n 12 | tee "$out/alone.log"

@@ -6,12 +6,7 @@
 # arguments after OUT.
 out=${1:?usage: $0 OUT [name:overrides ...]}
 shift
-deadline=$((SECONDS + ${SESSION_S:-570}))
-left() { local s=$((deadline - SECONDS)); [ "$s" -lt 1 ] && s=1; [ "$s" -lt "$1" ] && echo "$s" || echo "$1"; }  # timeout 0 = none
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-export PYTHONPATH=/tmp/site:$PWD/src
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/device_session.sh"
 variants=(--variant "imagerl (recipe):" --variant "imagerl (recipe), off-window steps in FP8:sample.off_window_fp8=true")
 for v in "$@"; do variants+=(--variant "$v"); done
 timeout "$(left ${BENCH_S:-460})" python3 -m imagerl bench --family qwen_image --warmup 1 --iterations 2 \
