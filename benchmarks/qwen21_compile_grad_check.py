@@ -25,7 +25,7 @@ def main() -> None:
     p.add_argument("--baseline-first", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--complex-rope", action="store_true", help="skip prepare_compile: diffusers' complex RoPE "
-                   "product in the compiled graph (the code of runs T-W)")
+                   "product and any SDPA backend, cuDNN's included, in the compiled graph (the code of runs T-X)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 

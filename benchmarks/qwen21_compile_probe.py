@@ -4,10 +4,11 @@ Each variant runs `imagerl bench`'s own iteration (Bench.run_imagerl: rollout, r
 subprocess of its own, so that a CUDA error (run F: "an illegal memory access" in the first compiled backward)
 ends that variant only. The released block dims (heads, widths) with `--layers` blocks (2: a minute per variant; the per-block
 graph is the same as with the released 32). Probe switches, given as a variant's overrides beside config overrides:
-  probe.force_compile   lift the family's compile refusal (to reproduce the crash)
+  probe.force_compile   no effect now (2.1 compile is no longer refused, RESULTS.md run Z); accepted so that the
+                        commands of runs T-W still run
   probe.static          compile the blocks with dynamic=False (a graph per text length)
-  probe.complex_rope    compiled blocks keep diffusers' complex RoPE product (runs T-W: before
-                        QwenImage21Family.prepare_compile gave them real pairs, families/rope_pairs.py)
+  probe.complex_rope    skip QwenImage21Family.prepare_compile: compiled blocks keep diffusers' complex RoPE
+                        product and any SDPA backend, cuDNN's included (the code of runs T-W)
   probe.baseline_first  run the diffusers + peft baseline first in the same process, as `imagerl bench` does
                         (run H: the compiled variant crashed after it, not alone)
 
@@ -48,8 +49,6 @@ def run_variant(name: str, overrides: list[str], layers: int, iterations: int, o
 
     switches = {o for o in overrides if o in PROBE_SWITCHES}
     overrides = [o for o in overrides if o not in PROBE_SWITCHES]
-    if "probe.force_compile" in switches:
-        QwenImage21Family.compile_refused = None
     if "probe.static" in switches:
         original = torch.nn.Module.compile
         torch.nn.Module.compile = lambda self, *a, **k: original(self, *a, **dict(k, dynamic=False))

@@ -1,14 +1,13 @@
 """exclude_cudnn_attention (families/attention_backends.py): the compiled 2.1 blocks run their attention with the
 cuDNN backend off (its compiled backward faulted on the GPU, RESULTS.md issue 22 run Y), in eager and inside
-a fullgraph torch.compile, and backends turned off before (parallel.deterministic) stay off."""
+a fullgraph torch.compile, and backends turned off before (parallel.deterministic) stay off. That the 2.1
+family applies it to every block before compiling: tests/test_qwen_image21_adapter.py."""
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from imagerl.families.attention_backends import backends_without_cudnn, exclude_cudnn_attention
-from imagerl.families.qwen_image21 import QwenImage21Family
-from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
 
 
 class PlainAttention(torch.nn.Module):
@@ -65,9 +64,3 @@ def test_backends_disabled_before_stay_disabled():
         torch.backends.cuda.enable_flash_sdp(flash)
         torch.backends.cuda.enable_mem_efficient_sdp(efficient)
 
-
-def test_qwen_image21_prepare_compile_wraps_every_block(tmp_path):
-    adapter = QwenImage21Family.from_pretrained(make_tiny_qwen_image21(tmp_path / "tiny"), torch.device("cpu"),
-                                                torch.float32)
-    adapter.prepare_compile()
-    assert all(block._imagerl_sdpa_backends for block in adapter.transformer_blocks())

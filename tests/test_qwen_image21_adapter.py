@@ -258,7 +258,7 @@ def test_lora_export_loads_into_the_pipeline(tiny21, tmp_path):
     assert (ours - base).abs().max() > 1e-2
 
 
-def test_compile_prepares_every_block_before_compiling_it(adapter):
+def test_compile_prepares_every_block_before_compiling_it(tiny21):
     """parallel.compile for Qwen-Image 2.1 (the recipe's setting since benchmarks/RESULTS.md run Z): accepted, and
     apply_parallelism hands the blocks the RoPE as real pairs and runs their attention without cuDNN (whose
     compiled backward faulted on the GPU, run Y) before it compiles them."""
@@ -267,6 +267,7 @@ def test_compile_prepares_every_block_before_compiling_it(adapter):
     from imagerl.distributed.fsdp import apply_parallelism
     from imagerl.distributed.parallel import World
 
+    adapter = QwenImage21Family.from_pretrained(tiny21, torch.device("cpu"), torch.float32)  # not the shared one
     cfg = load_config("qwen_image21_jpeg", ["model.device=cpu"])
     assert cfg.parallel.compile
     resolve_family_defaults(cfg, adapter)

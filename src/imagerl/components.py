@@ -98,8 +98,5 @@ def resolve_family_defaults(cfg: Config, adapter) -> None:
     if cfg.sample.guidance_scale is None:  # DiffusionNFT samples CFG-free (NVlabs: guidance 1.0)
         nft = cfg.train.algorithm == "diffusion_nft"
         cfg.sample.guidance_scale = 1.0 if nft else adapter.default_guidance_scale
-    if cfg.parallel.compile and adapter.compile_refused:
-        raise ValueError(f"parallel.compile=true is refused for the {adapter.name} family: {adapter.compile_refused}. "
-                         "Set parallel.compile=false.")
     if cfg.sample.kv_cache and not adapter.supports_kv_cache:
         raise ValueError(f"sample.kv_cache=true: the {adapter.name} family has no text prefix KV cache; set it to false")

@@ -131,8 +131,6 @@ class FamilyAdapter:
     default_num_steps: int = 50  # the pipeline's num_inference_steps default (inference only)
     default_resolution: int = 1024
     supports_kv_cache: bool = False
-    # why parallel.compile is refused for this family ("" = it is supported); resolve_family_defaults raises it
-    compile_refused: str = ""
     # model.group_text_lengths (qwen_image): rows of different text lengths run as separate unmasked forwards (no
     # padded tokens, attention without a mask) instead of one padded, masked forward; the same math
     group_text_lengths: bool = False
