@@ -81,8 +81,8 @@ def prepare_adapter(adapter, cfg: Config):
     adapter.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha,
                      True if cfg.model.lora_init == "default" else cfg.model.lora_init,
                      cfg.model.lora_target_modules or None)
-    if cfg.model.gradient_checkpointing:
-        adapter.enable_activation_checkpointing(cfg.model.checkpoint_every)
+    # without checkpointing (0) the blocks are still called as the rollout calls them (enable_activation_checkpointing)
+    adapter.enable_activation_checkpointing(cfg.model.checkpoint_every if cfg.model.gradient_checkpointing else 0)
     adapter.transformer.eval()
     return adapter
 

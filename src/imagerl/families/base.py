@@ -203,11 +203,14 @@ class FamilyAdapter:
     def enable_activation_checkpointing(self, every: int = 1) -> None:
         """diffusers' gradient checkpointing (non-reentrant torch.utils.checkpoint, diffusers' default) of every
         `every`-th transformer block, starting with the first; the other blocks keep their activations for the
-        backward (less recompute, more memory). every=1: all blocks, as flow_grpo."""
+        backward (less recompute, more memory). every=1: all blocks, as flow_grpo. every=0: none, but the blocks
+        are still called through diffusers' checkpoint branch, with positional arguments, as the rollout's
+        forward_only_blocks calls them: diffusers' plain branch passes keywords, and a compiled block may compile
+        a call by keywords as another graph whose kernels round differently, which would break the exact replay."""
         if every == 1:
             self.transformer.enable_gradient_checkpointing()
             return
-        checkpointed = {id(block) for block in self.transformer_blocks()[::every]}
+        checkpointed = {id(block) for block in self.transformer_blocks()[::every]} if every else set()
 
         def checkpoint_selected(block, *args):
             if id(block) in checkpointed:
