@@ -229,6 +229,33 @@ def test_training_run_is_exactly_on_policy(tiny21, tmp_path, kv_cache):
         assert r["train/grad_norm"] > 0
 
 
+@pytest.mark.parametrize("merge_lora", [False, True])
+def test_kv_cache_serves_only_the_steps_outside_the_window(tiny21, tmp_path, merge_lora):
+    """The SDE-window steps, the ones training replays, run full forwards as training does (a cached velocity
+    equals the full forward on CPU fp32 but not on the GPU); the other steps reuse the text prefix's cache."""
+    from test_training import _rollout
+
+    cfg = tiny_config(tiny21, tmp_path, "sample.kv_cache=true", f"sample.merge_lora={str(merge_lora).lower()}",
+                      "sample.batch_size=2", "train.batch_size=1", "sample.guidance_scale=1.0")
+    calls = []  # (timestep, the conditioning had a cache)
+    velocity = QwenImage21Family.velocity
+
+    def recording(self, latents, timesteps, cond, height, width):
+        calls.append((timesteps[0].item(), cond.caches_G is not None))
+        return velocity(self, latents, timesteps, cond, height, width)
+
+    QwenImage21Family.velocity = recording
+    try:
+        _, rollout = _rollout(cfg)
+    finally:
+        QwenImage21Family.velocity = velocity
+    window = set(rollout.timesteps_S.tolist())
+    assert {cached for t, cached in calls if t in window} == {False}
+    assert {cached for t, cached in calls if t not in window} == {True}
+    batches, subs = 2, 2  # 4 samples in rollout batches of 2, their window steps in training batches of 1
+    assert len(calls) == batches * (cfg.sample.num_steps - len(window) + subs * len(window))
+
+
 def test_lora_export_loads_into_the_pipeline(tiny21, tmp_path):
     adapter = QwenImage21Family.from_pretrained(tiny21, torch.device("cpu"), torch.float32)
     torch.manual_seed(0)

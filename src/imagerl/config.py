@@ -112,9 +112,12 @@ class SampleConfig:
     output moves by about 3.6 % rms of its size (families/fp8_linear.py). The window steps and training keep bf16,
     so the replay stays exact. benchmarks/RESULTS.md has its speed and its effect on images and rewards."""
     kv_cache: bool = False
-    """qwen_image21 only: reuse the text prefix's keys/values across rollout steps (faster rollout). Training
-    always runs the full forward: the replay is exact on CPU fp32, but not guaranteed on GPU (an H200 run
-    showed train/log_prob_mean_abs_diff up to 1.5e-8 in fp32; benchmarks/RESULTS.md)."""
+    """qwen_image21 only: the rollout's steps outside the SDE window reuse the text prefix's keys/values (the
+    first of them computes them): only the image rows pass the blocks there (2.1 at 512 px: 5-8 % fewer FLOPs per
+    cached step). The SDE-window steps and training run full forwards, so the replay stays exact. (The cached
+    velocity equals the full forward on CPU fp32 but not on the GPU: an H200 run whose window steps were cached
+    showed train/log_prob_mean_abs_diff up to 1.5e-8 in fp32, benchmarks/RESULTS.md.) DiffusionNFT's ODE
+    rollouts (never replayed) use it at every step."""
 
 
 @dataclass

@@ -162,13 +162,15 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     for start in range(0, len(prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)
         n = len(prompts_B[batch])
+        # sample.kv_cache: only the off-window steps (never replayed) reuse the text prefix's keys/values; the
+        # first of them fills the cache (on the merged weights under sample.merge_lora, as its later steps run)
         cond = batch_conditioning(adapter, text_B[batch], negative, s.guidance_scale, kv_cache=s.kv_cache)
-        # the SDE-window steps run in the training batches (train.batch_size), each with its own conditioning, as
-        # the update replays them: a forward's rounding depends on its batch (row count, text padding)
+        # the SDE-window steps run full forwards in the training batches (train.batch_size), each with its own
+        # conditioning, as the update replays them: a forward's rounding depends on its batch (row count, text
+        # padding) and on what it computes (a cached step's text keys/values come from another forward)
         subs = [slice(a, min(a + micro, n)) for a in range(0, n, micro)]
-        window_conds = [cond] if len(subs) == 1 else [
-            batch_conditioning(adapter, text_B[batch][sub], negative, s.guidance_scale, kv_cache=s.kv_cache)
-            for sub in subs]
+        window_conds = [cond] if len(subs) == 1 and not s.kv_cache else [
+            batch_conditioning(adapter, text_B[batch][sub], negative, s.guidance_scale) for sub in subs]
         x = plan.initial_noise_BNC[batch].to(adapter.device, torch.float32)
         ins, outs, lps = [], [], []
         # (under grad only the velocity, detached, could build a graph: the step arithmetic needs no grad inputs)

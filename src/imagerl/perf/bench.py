@@ -54,6 +54,7 @@ DEFAULT_VARIANTS = {
     # checkpointing (RESULTS.md run AB); training batch 4 is the 80 GB card's setting
     "qwen_image21": {"imagerl (recipe: compile, batch 8 merged, no checkpointing)": [],
                      "imagerl (recipe), train 4 (80 GB cards)": ["train.batch_size=4"],
+                     "imagerl (recipe), off-window steps KV-cached": ["sample.kv_cache=true"],
                      "imagerl (recipe), off-window steps in FP8": ["sample.off_window_fp8=true"]},
 }
 # `--algorithm diffusion_nft`: the NFT recipe with and without timestep staging beside the family's Flow-GRPO recipe
