@@ -63,6 +63,7 @@ def test_the_shared_transformer_is_returned_to_its_plain_state(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--dry-run", "--variant", ":model.vae_dtype=bfloat16"], "must look like 'name:section.key=value"),
+    (["bench", "--dry-run", "--variant", "recipe (compile: batch 8):"], "a name cannot contain ':'"),
     (["bench", "--dry-run", "--family", "sd3"], "unknown family 'sd3'"),
     # checked before any model is built: a bad variant after good ones must not cost the good ones' GPU time
     (["bench", "--dry-run", "--variant", "ok:", "--variant", "b16:sample.batch_size=4,train.num_optimizer_steps=8"],

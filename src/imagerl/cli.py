@@ -158,6 +158,10 @@ def _bench(args) -> int:
             if not name.strip():
                 raise ValueError(f"--variant {spec!r} must look like 'name:section.key=value,section.key=value'")
             variants[name.strip()] = [o.strip() for o in overrides.split(",") if o.strip()]
+            if any("=" not in o for o in variants[name.strip()]):
+                raise ValueError(f"--variant {spec!r}: the name ends at the first ':', so {name.strip()!r} is the name "
+                                 f"and {overrides!r} the overrides (section.key=value, comma-separated); a name cannot "
+                                 f"contain ':'")
     elif args.family not in DEFAULT_VARIANTS:
         raise ValueError(f"unknown family {args.family!r}; choose one of {', '.join(DEFAULT_VARIANTS)}")
     run_bench(args.family, variants, baseline=not args.no_baseline, warmup=args.warmup, iterations=args.iterations,
