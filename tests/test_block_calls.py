@@ -60,5 +60,5 @@ def test_training_calls_the_blocks_as_the_rollout_does(checkpoints, tmp_path, fa
 
     rollout_calls, training_calls = _recorded_calls(adapter, rollout), _recorded_calls(adapter, training)
     assert len(training_calls) >= len(adapter.transformer_blocks())  # (recompute may call checkpointed ones again)
-    assert {call for call in training_calls} == set(rollout_calls)
+    assert set(training_calls) == set(rollout_calls)
     assert all(not keywords for _, _, keywords in rollout_calls)

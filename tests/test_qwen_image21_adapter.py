@@ -230,7 +230,7 @@ def test_training_run_is_exactly_on_policy(tiny21, tmp_path, kv_cache):
 
 
 @pytest.mark.parametrize("merge_lora", [False, True])
-def test_kv_cache_serves_only_the_steps_outside_the_window(tiny21, tmp_path, merge_lora):
+def test_kv_cache_serves_only_the_steps_outside_the_window(tiny21, tmp_path, monkeypatch, merge_lora):
     """The SDE-window steps, the ones training replays, run full forwards as training does (a cached velocity
     equals the full forward on CPU fp32 but not on the GPU); the other steps reuse the text prefix's cache."""
     from test_training import _rollout
@@ -244,11 +244,8 @@ def test_kv_cache_serves_only_the_steps_outside_the_window(tiny21, tmp_path, mer
         calls.append((timesteps[0].item(), cond.caches_G is not None))
         return velocity(self, latents, timesteps, cond, height, width)
 
-    QwenImage21Family.velocity = recording
-    try:
-        _, rollout = _rollout(cfg)
-    finally:
-        QwenImage21Family.velocity = velocity
+    monkeypatch.setattr(QwenImage21Family, "velocity", recording)
+    _, rollout = _rollout(cfg)
     window = set(rollout.timesteps_S.tolist())
     assert {cached for t, cached in calls if t in window} == {False}
     assert {cached for t, cached in calls if t not in window} == {True}

@@ -155,13 +155,14 @@ def _bench(args) -> int:
         variants = {}
         for spec in args.variant:
             name, _, overrides = spec.partition(":")
-            if not name.strip():
+            name, items = name.strip(), [o.strip() for o in overrides.split(",") if o.strip()]
+            if not name:
                 raise ValueError(f"--variant {spec!r} must look like 'name:section.key=value,section.key=value'")
-            variants[name.strip()] = [o.strip() for o in overrides.split(",") if o.strip()]
-            if any("=" not in o for o in variants[name.strip()]):
-                raise ValueError(f"--variant {spec!r}: the name ends at the first ':', so {name.strip()!r} is the name "
+            if any("=" not in o for o in items):
+                raise ValueError(f"--variant {spec!r}: the name ends at the first ':', so {name!r} is the name "
                                  f"and {overrides!r} the overrides (section.key=value, comma-separated); a name cannot "
                                  f"contain ':'")
+            variants[name] = items
     elif args.family not in DEFAULT_VARIANTS:
         raise ValueError(f"unknown family {args.family!r}; choose one of {', '.join(DEFAULT_VARIANTS)}")
     run_bench(args.family, variants, baseline=not args.no_baseline, warmup=args.warmup, iterations=args.iterations,
