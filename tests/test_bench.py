@@ -82,9 +82,10 @@ def test_bench_without_a_gpu_says_so():
 
 
 def test_dry_bench_qwen_image21_counts_flops_with_and_without_kv_cache(tmp_path):
-    # the recipe's off-window steps run merged (no LoRA FLOPs there) and it trains without checkpointing; unmerged
-    # and checkpointed, its FLOPs are the baseline's
-    rows = run_bench("qwen_image21", {"imagerl": ["sample.merge_lora=false", "model.gradient_checkpointing=true"],
+    # the recipe's off-window steps run merged (no LoRA FLOPs there) and KV-cached, and it trains without
+    # checkpointing; unmerged, uncached and checkpointed, its FLOPs are the baseline's
+    rows = run_bench("qwen_image21", {"imagerl": ["sample.merge_lora=false", "sample.kv_cache=false",
+                                                  "model.gradient_checkpointing=true"],
                                       "kv cache": ["sample.kv_cache=true"]},
                      warmup=0, iterations=1,
                      dry=True, out=tmp_path, echo=lambda *_: None)

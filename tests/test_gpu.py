@@ -101,7 +101,10 @@ def test_fp8_linear_on_gpu_is_the_float64_product_of_its_quantized_factors():
                                         "model.gradient_checkpointing=true"],
                                        # the off-window steps KV-cached, the window steps full forwards
                                        ["sample.batch_size=4", "train.batch_size=2", "sample.merge_lora=true",
-                                        "sample.kv_cache=true"]])
+                                        "sample.kv_cache=true"],
+                                       # both off-window options: the prefix cache filled by the FP8 weights
+                                       ["sample.batch_size=4", "train.batch_size=2", "sample.merge_lora=true",
+                                        "sample.kv_cache=true", "sample.off_window_fp8=true"]])
 def test_compiled_qwen_image21_training_is_on_policy(tmp_path, overrides):
     """Compiled 2.1 blocks (RoPE as real pairs, attention without cuDNN: the family's prepare_compile) replay the
     rollout exactly and train on finite gradients (their values: tests/test_compile21_gradients.py)."""
