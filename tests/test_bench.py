@@ -137,3 +137,26 @@ def test_dry_bench_diffusion_nft_rows_beside_the_flow_grpo_recipe(tmp_path):
     assert nft.train_pairs_per_s > 0  # pairs: samples x trained timesteps (10 of the dry run's 6-step grid: 6)
     with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
         run_bench("qwen_image", None, dry=True, algorithm="ppo")
+
+
+def test_depth_bench_builds_released_blocks_at_the_given_depth(monkeypatch):
+    """benchmarks/depth_bench.py (the qwen_image recipe on an 80 GB card): the bench's builder, called as the bench
+    calls it (layers=None), gives `layers` blocks of the released width instead of the whole released model."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import imagerl.perf.real_size as real_size
+
+    for name in ("_transformer_spec", "build_qwen_image", "build_qwen_image21"):
+        monkeypatch.setattr(real_size, name, getattr(real_size, name))  # restored after the test
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "depth_bench.py"
+    spec = importlib.util.spec_from_file_location("depth_bench", path)
+    depth_bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "depth_bench", depth_bench)
+    spec.loader.exec_module(depth_bench)
+    depth_bench.use_depth("qwen_image", 1)
+    transformer, _, text_encoder, _ = real_size.build_qwen_image("meta", ["a prompt"], None)
+    assert len(transformer.transformer_blocks) == 1
+    assert transformer.config.num_attention_heads == 24 and transformer.config.attention_head_dim == 128  # released
+    assert text_encoder.config.text_config.num_hidden_layers == 1

@@ -148,22 +148,10 @@ def _build_quickstart_model(args) -> int:
 def _bench(args) -> int:
     from pathlib import Path
 
-    from imagerl.perf.bench import DEFAULT_VARIANTS, run_bench
+    from imagerl.perf.bench import DEFAULT_VARIANTS, parse_variants, run_bench
 
-    variants = None
-    if args.variant:
-        variants = {}
-        for spec in args.variant:
-            name, _, overrides = spec.partition(":")
-            name, items = name.strip(), [o.strip() for o in overrides.split(",") if o.strip()]
-            if not name:
-                raise ValueError(f"--variant {spec!r} must look like 'name:section.key=value,section.key=value'")
-            if any("=" not in o for o in items):
-                raise ValueError(f"--variant {spec!r}: the name ends at the first ':', so {name!r} is the name "
-                                 f"and {overrides!r} the overrides (section.key=value, comma-separated); a name cannot "
-                                 f"contain ':'")
-            variants[name] = items
-    elif args.family not in DEFAULT_VARIANTS:
+    variants = parse_variants(args.variant) if args.variant else None
+    if variants is None and args.family not in DEFAULT_VARIANTS:
         raise ValueError(f"unknown family {args.family!r}; choose one of {', '.join(DEFAULT_VARIANTS)}")
     run_bench(args.family, variants, baseline=not args.no_baseline, warmup=args.warmup, iterations=args.iterations,
               dry=args.dry_run, out=Path(args.out) if args.out else None,

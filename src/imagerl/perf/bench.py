@@ -115,6 +115,22 @@ def variant_config(family: str, base_overrides: list[str], overrides: list[str])
     return cfg
 
 
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """`--variant` values, 'name:section.key=value,section.key=value', as name -> overrides."""
+    variants = {}
+    for spec in specs:
+        name, _, overrides = spec.partition(":")
+        name, items = name.strip(), [o.strip() for o in overrides.split(",") if o.strip()]
+        if not name:
+            raise ValueError(f"--variant {spec!r} must look like 'name:section.key=value,section.key=value'")
+        if any("=" not in o for o in items):
+            raise ValueError(f"--variant {spec!r}: the name ends at the first ':', so {name!r} is the name "
+                             f"and {overrides!r} the overrides (section.key=value, comma-separated); a name cannot "
+                             f"contain ':'")
+        variants[name] = items
+    return variants
+
+
 def check_variants(family: str, dry: bool, variants: dict[str, list[str]], profiles) -> None:
     """Every variant and profile validated before the models are built (minutes on the GPU): a bad one is a
     ValueError naming it, not a crash after the rows before it."""
