@@ -88,16 +88,28 @@ def test_ode_rollout_matches_the_diffusers_pipeline(pipe):
     baseline.remove()
 
 
+# rollout batch 2: every replayed batch (2 rows: group 4 over 2 optimizer steps) has the rollout's row count
+@pytest.mark.parametrize("batch_size", [2, TINY.batch_size])
 @pytest.mark.parametrize("dtype, sde_steps", [(torch.float32, (1, 2)), (torch.bfloat16, (0, 2))])
-def test_on_policy_with_zero_lr_is_exact(pipe, dtype, sde_steps):
+def test_on_policy_with_zero_lr(pipe, dtype, sde_steps, batch_size):
     pipe.transformer.to(dtype)  # bf16 as in the benchmark; step 0 takes the sigma == 1 branch
-    baseline = FlowGRPOBaseline21(pipe, brightness, dataclasses.replace(TINY, sde_steps=sde_steps), "cpu")
+    settings = dataclasses.replace(TINY, sde_steps=sde_steps, batch_size=batch_size)
+    baseline = FlowGRPOBaseline21(pipe, brightness, settings, "cpu")
     before = lora_state(baseline)
     # A, B x 7 targets x 2 blocks, fp32
     assert len(before) == 2 * len(QWEN_IMAGE21_LORA_TARGETS) * 2 and all(p.dtype == torch.float32 for p in before)
     out = baseline.iteration(PROMPT, generator_seed=0)
-    assert out["log_prob_mean_abs_diff"] == 0.0
-    assert out["ratio_abs_minus_1_max"] == 0.0
+    if batch_size == TINY.train_batch_size:  # the replay runs the rollout's batches: bit-exact
+        assert out["log_prob_mean_abs_diff"] == 0.0
+        assert out["ratio_abs_minus_1_max"] == 0.0
+    else:
+        # Replayed in other batches (rollout 4 / train 2, as the benchmark's 8 / 4) the baseline is exact only where
+        # the GEMMs round alike for every row count. Not so on every CPU: on an AMD EPYC (MKL, AVX-512) the timestep
+        # modulation's 5-row and 3-row GEMMs differ by 1 ulp and the mean log-prob by 3e-8 (fp32); the GPU runs see
+        # 1.4e-6 (bf16, RESULTS.md run AB). A wrong step, sigma or text would move it far more.
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-3
+        assert out["log_prob_mean_abs_diff"] <= tolerance
+        assert out["ratio_abs_minus_1_max"] <= 100 * tolerance
     assert out["images"] == 4 and out["text_tokens"] == pipe.encode_prompt(PROMPT)[0].shape[1]
     assert all(out[k] >= 0 for k in ("rollout_s", "reward_s", "train_s", "total_s"))
     assert all(torch.equal(a, b) for a, b in zip(before, baseline.lora_params))
