@@ -29,6 +29,7 @@ def use_depth(family: str, layers: int) -> None:
     real_size._transformer_spec = lambda n: released(None) if n is None else {"num_layers": n}
     name = "build_qwen_image" if family == "qwen_image" else "build_qwen_image21"
     build = getattr(real_size, name)
+
     def build_at_depth(device, prompts, _layers=None):  # the bench passes layers=None (released size)
         return build(device, prompts, layers)
 
