@@ -16,24 +16,9 @@ a CPU (the dry geometry, blocks of 2 heads).
 from __future__ import annotations
 
 import argparse
-import functools
 from pathlib import Path
 
-import imagerl.perf.real_size as real_size
 from imagerl.perf.bench import parse_variants, run_bench
-
-
-def use_depth(family: str, layers: int) -> None:
-    """Make the bench's builder (called with layers=None: the released size) build `layers` released-size blocks."""
-    released = real_size._transformer_spec
-    real_size._transformer_spec = lambda n: released(None) if n is None else {"num_layers": n}
-    name = "build_qwen_image" if family == "qwen_image" else "build_qwen_image21"
-    build = getattr(real_size, name)
-
-    def build_at_depth(device, prompts, _layers=None):  # the bench passes layers=None (released size)
-        return build(device, prompts, layers)
-
-    setattr(real_size, name, functools.wraps(build)(build_at_depth))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,10 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error("--layers must be at least 1")
-    if not args.dry_run:  # a dry run keeps its own 1-block, 2-head model
-        use_depth(args.family, args.layers)
+    # a dry run keeps its own 1-block, 2-head model
     run_bench(args.family, parse_variants(args.variant) if args.variant else None, baseline=not args.no_baseline,
-              warmup=args.warmup, iterations=args.iterations, dry=args.dry_run, out=args.out)
+              warmup=args.warmup, iterations=args.iterations, dry=args.dry_run, out=args.out, blocks=args.layers)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,9 @@ def main() -> None:
     from imagerl.components import prepare_adapter, resolve_family_defaults
     from imagerl.perf.bench import Bench
     from imagerl.rollout import batch_conditioning
-
-    from qwen21_compile_probe import use_layers  # this folder is on sys.path when the script runs
-
-    use_layers(args.layers)
     device = torch.device(args.device)
-    bench = Bench("qwen_image21", device, False, args.out / "work", warmup=1, iterations=1)
+    bench = Bench("qwen_image21", device, False, args.out / "work", warmup=1, iterations=1,
+                  blocks=args.layers or None)  # 0: the released model
     if args.baseline_first:
         bench.run_baseline(1.0)
     cfg = bench.config([])

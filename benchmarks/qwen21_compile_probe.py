@@ -29,17 +29,6 @@ from pathlib import Path
 PROBE_SWITCHES = ("probe.force_compile", "probe.static", "probe.complex_rope", "probe.baseline_first")
 
 
-def use_layers(layers: int) -> None:
-    """The bench builds `layers` blocks at the released dims (the text encoder shrunk as in a dry run); 0: the
-    released model as the bench builds it."""
-    import imagerl.perf.real_size as real_size
-
-    if layers:
-        real_size._transformer_spec = lambda n: {} if n is None else {"num_layers": n}
-        build = real_size.build_qwen_image21  # Bench passes layers=None (released size): `layers` blocks instead
-        real_size.build_qwen_image21 = lambda device, prompts, _layers=None: build(device, prompts, layers)
-
-
 def run_variant(name: str, overrides: list[str], layers: int, iterations: int, out: Path) -> None:
     import torch
 
@@ -54,10 +43,10 @@ def run_variant(name: str, overrides: list[str], layers: int, iterations: int, o
         torch.nn.Module.compile = lambda self, *a, **k: original(self, *a, **dict(k, dynamic=False))
     if "probe.complex_rope" in switches:
         QwenImage21Family.prepare_compile = lambda self: None
-    use_layers(layers)
     device = torch.device("cuda")
     ceiling = measure_matmul_flops_per_s(device, torch.bfloat16, size=8192, iterations=10)
-    bench = Bench("qwen_image21", device, False, out / "work", warmup=1, iterations=iterations)
+    # `layers` blocks at the released dims (the text encoder shrunk as in a dry run); 0: the released model
+    bench = Bench("qwen_image21", device, False, out / "work", warmup=1, iterations=iterations, blocks=layers or None)
     if "probe.baseline_first" in switches:
         bench.run_baseline(ceiling)
     t0 = time.perf_counter()

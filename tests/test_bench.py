@@ -139,24 +139,13 @@ def test_dry_bench_diffusion_nft_rows_beside_the_flow_grpo_recipe(tmp_path):
         run_bench("qwen_image", None, dry=True, algorithm="ppo")
 
 
-def test_depth_bench_builds_released_blocks_at_the_given_depth(monkeypatch):
-    """benchmarks/depth_bench.py (the qwen_image recipe on an 80 GB card): the bench's builder, called as the bench
-    calls it (layers=None), gives `layers` blocks of the released width instead of the whole released model."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+def test_bench_builder_with_blocks_keeps_the_released_block_dims():
+    """`blocks` (benchmarks/depth_bench.py: the qwen_image recipe on an 80 GB card; the 2.1 compile probes): that
+    many blocks of the released width instead of the whole released model, the text encoder shrunk to as many
+    layers."""
+    from imagerl.perf.real_size import build_qwen_image
 
-    import imagerl.perf.real_size as real_size
-
-    for name in ("_transformer_spec", "build_qwen_image", "build_qwen_image21"):
-        monkeypatch.setattr(real_size, name, getattr(real_size, name))  # restored after the test
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "depth_bench.py"
-    spec = importlib.util.spec_from_file_location("depth_bench", path)
-    depth_bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "depth_bench", depth_bench)
-    spec.loader.exec_module(depth_bench)
-    depth_bench.use_depth("qwen_image", 1)
-    transformer, _, text_encoder, _ = real_size.build_qwen_image("meta", ["a prompt"], None)
+    transformer, _, text_encoder, _ = build_qwen_image("meta", ["a prompt"], blocks=1)
     assert len(transformer.transformer_blocks) == 1
     assert transformer.config.num_attention_heads == 24 and transformer.config.attention_head_dim == 128  # released
     assert text_encoder.config.text_config.num_hidden_layers == 1

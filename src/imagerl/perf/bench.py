@@ -145,7 +145,9 @@ def check_variants(family: str, dry: bool, variants: dict[str, list[str]], profi
 
 
 class Bench:
-    def __init__(self, family: str, device: torch.device, dry: bool, workdir: Path, warmup: int, iterations: int):
+    def __init__(self, family: str, device: torch.device, dry: bool, workdir: Path, warmup: int, iterations: int,
+                 blocks: int | None = None):
+        """blocks: that many transformer blocks at the released dims instead of the released model (real_size)."""
         from imagerl.config import load_config
         from imagerl.perf.real_size import build_qwen_image, build_qwen_image21, save_pickscore_size_clip
         from imagerl.rewards import Scorer
@@ -158,7 +160,8 @@ class Bench:
         save_pickscore_size_clip(workdir / "pickscore", device, dry=dry)
         build = build_qwen_image if family == "qwen_image" else build_qwen_image21
         t0 = time.perf_counter()
-        self.transformer, self.vae, self.text_encoder, self.tokenizer = build(device, self.prompts, 1 if dry else None)
+        self.transformer, self.vae, self.text_encoder, self.tokenizer = build(
+            device, self.prompts, 1 if dry else None, blocks=None if dry else blocks)
         self.build_s = time.perf_counter() - t0
         self.base_overrides = GEOMETRY + (DRY_GEOMETRY if dry else []) + [f"reward.pickscore_model={workdir / 'pickscore'}"]
         if device.type != "cuda":
@@ -383,9 +386,10 @@ class Bench:
 
 def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None = None, *, baseline: bool = True,
               warmup: int = 2, iterations: int = 2, dry: bool = False, out: Path | None = None,
-              profiles: list[list[str]] = (), echo=print, algorithm: str = "flow_grpo") -> list[Row]:
+              profiles: list[list[str]] = (), echo=print, algorithm: str = "flow_grpo",
+              blocks: int | None = None) -> list[Row]:
     """Profile one step of each config in `profiles` (lists of overrides), then run the family's baseline and each
-    variant (name -> overrides); print and return the rows."""
+    variant (name -> overrides); print and return the rows. blocks: a model of that many released-size blocks."""
     from imagerl.perf.flops import measure_matmul_flops_per_s
     from imagerl.perf.profile import profile_step
 
@@ -414,7 +418,7 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
             (out / f"bench_{family}.md").write_text(format_table(rows, base) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:
-        bench = Bench(family, device, dry, Path(tmp), warmup, iterations)
+        bench = Bench(family, device, dry, Path(tmp), warmup, iterations, blocks=blocks)
         echo(f"built {family} (random weights) in {bench.build_s:.1f} s")
         for overrides in profiles:
             text = profile_step(bench, overrides)

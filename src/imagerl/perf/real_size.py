@@ -6,7 +6,9 @@ and Qwen3-VL-8B (36 layers, hidden 4096) with their real vocabulary sizes (a 1-l
 text-to-image never calls it); the VAEs are the real architectures. The tokenizer is a BPE trained on the
 benchmark prompts (the test tokenizer, larger vocabulary), so prompt lengths are those of a real BPE.
 Weights are created directly on the device in bf16 (VAE fp32). `layers` shrinks the transformer (also to 2
-heads) and the text encoder to that many layers for a CPU dry run of the same code path.
+heads) and the text encoder to that many layers for a CPU dry run of the same code path; `blocks` builds that many
+transformer blocks at the released dims (the text encoder shrunk as for `layers`), for a card too small for the
+released model (benchmarks/depth_bench.py).
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def _transformer_spec(layers: int | None) -> dict:
-    """The released transformer (the class defaults), or (dry run) `layers` layers of 2 heads (width 256)."""
-    return {} if layers is None else {"num_layers": layers, "num_attention_heads": 2}
+def _transformer_spec(layers: int | None, blocks: int | None) -> dict:
+    """The released transformer (the class defaults), (dry run) `layers` layers of 2 heads (width 256), or
+    `blocks` blocks of the released dims."""
+    if layers is not None:
+        return {"num_layers": layers, "num_attention_heads": 2}
+    return {} if blocks is None else {"num_layers": blocks}
 
 
 def _text_spec(spec: dict, layers: int | None, vocab_size: int) -> dict:
@@ -52,7 +57,7 @@ def _text_spec(spec: dict, layers: int | None, vocab_size: int) -> dict:
     return dict(spec, num_hidden_layers=layers, intermediate_size=512, vocab_size=vocab_size)
 
 
-def build_qwen_image(device, prompts: list[str], layers: int | None = None):
+def build_qwen_image(device, prompts: list[str], layers: int | None = None, blocks: int | None = None):
     """(transformer bf16, vae fp32, text_encoder bf16, tokenizer) of Qwen-Image at the released size."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -60,10 +65,10 @@ def build_qwen_image(device, prompts: list[str], layers: int | None = None):
     from imagerl.families.tiny_checkpoint import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(vocab_size=8192, extra_corpus=prompts)
-    text = _text_spec(QWEN25_VL_7B, layers, len(tokenizer))
+    text = _text_spec(QWEN25_VL_7B, blocks if layers is None else layers, len(tokenizer))
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
     with torch.device(device), _default_dtype(torch.bfloat16):
-        transformer = QwenImageTransformer2DModel(**_transformer_spec(layers))
+        transformer = QwenImageTransformer2DModel(**_transformer_spec(layers, blocks))
         text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
             text_config=dict(text, rope_parameters=rope, bos_token_id=None, eos_token_id=None),
             vision_config=dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2,
@@ -73,7 +78,7 @@ def build_qwen_image(device, prompts: list[str], layers: int | None = None):
     return transformer, vae, text_encoder, tokenizer
 
 
-def build_qwen_image21(device, prompts: list[str], layers: int | None = None):
+def build_qwen_image21(device, prompts: list[str], layers: int | None = None, blocks: int | None = None):
     """(transformer bf16, vae fp32, text_encoder bf16, processor) of Qwen-Image 2.1 at the released size."""
     from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -81,11 +86,11 @@ def build_qwen_image21(device, prompts: list[str], layers: int | None = None):
     from imagerl.families.tiny_checkpoint21 import build_tiny_processor
 
     processor = build_tiny_processor()
-    text = _text_spec(QWEN3_VL_8B, layers, len(processor.tokenizer))
+    text = _text_spec(QWEN3_VL_8B, blocks if layers is None else layers, len(processor.tokenizer))
     rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
             "mrope_section": [24, 20, 20]}
     with torch.device(device), _default_dtype(torch.bfloat16):
-        transformer = QwenImage21Transformer2DModel(**_transformer_spec(layers))
+        transformer = QwenImage21Transformer2DModel(**_transformer_spec(layers, blocks))
         text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
             text_config=dict(text, rope_parameters=rope),
             vision_config=dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2,
