@@ -45,21 +45,30 @@ class _Exploit:
         return (open, (str(self.marker), "w"))
 
 
-def test_no_checkpoint_file_is_a_python_pickle_but_dcp_metadata(run):
+def test_no_checkpoint_file_is_a_python_pickle(run):
     ckpt = run / "checkpoints" / "step_000002"
     files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
-    assert "rng/rank_00000.safetensors" in files and not [f for f in files if f.endswith((".pt", ".pkl"))]
+    assert "rng/rank_00000.safetensors" in files and "trainer/tensors.safetensors" in files
+    assert all(f.endswith((".safetensors", ".json", ".md")) for f in files), files
+    assert not [f for f in files if (ckpt / f).read_bytes()[:1] == b"\x80"]  # pickle protocol 2+ opcode PROTO
     state = verify_checkpoint(ckpt)
-    assert set(state["sha256"]) == set(files) - {"state.json"}
+    assert state["format"] == 2 and set(state["sha256"]) == set(files) - {"state.json"}
 
 
-def test_a_crafted_pickle_in_the_metadata_is_refused_without_running(run, tmp_path, tiny_checkpoint):
+def test_a_format_1_checkpoint_with_a_crafted_pickle_is_refused_without_running(run, tmp_path, tiny_checkpoint):
+    """Format 1 (torch.distributed.checkpoint) held pickles: resume refuses it, naming the converter, before
+    anything in it is read."""
     run_dir = _copy(run, tmp_path)
     ckpt = run_dir / "checkpoints" / "step_000002"
     marker = tmp_path / "pwned"
+    (ckpt / "dcp").mkdir()
     (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
+    shutil.rmtree(ckpt / "trainer")
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["format"]
+    (ckpt / "state.json").write_text(json.dumps(state))
     _rewrite_checksums(ckpt)
-    with pytest.raises(ValueError, match="not allowed in checkpoint metadata"):
+    with pytest.raises(ValueError, match=r"format 1 .*pickles.*imagerl convert-checkpoint .*step_000002"):
         train(tiny_config(tiny_checkpoint, run_dir, *COMMON, "train.num_rollouts=3"), resume="latest")
     assert not marker.exists()
 
@@ -67,7 +76,7 @@ def test_a_crafted_pickle_in_the_metadata_is_refused_without_running(run, tmp_pa
 def test_a_bit_flipped_checkpoint_is_refused(run, tmp_path, tiny_checkpoint):
     run_dir = _copy(run, tmp_path)
     ckpt = run_dir / "checkpoints" / "step_000002"
-    shard = next((ckpt / "dcp").glob("*.distcp"))
+    shard = ckpt / "trainer" / "tensors.safetensors"
     data = bytearray(shard.read_bytes())
     for i in (100, 101, 102, 103):  # four flipped bits
         data[len(data) // 2 + i] ^= 0x10
@@ -76,27 +85,48 @@ def test_a_bit_flipped_checkpoint_is_refused(run, tmp_path, tiny_checkpoint):
         train(tiny_config(tiny_checkpoint, run_dir, *COMMON, "train.num_rollouts=3"), resume="latest")
 
 
-def test_non_finite_weights_in_a_consistent_checkpoint_are_refused(run, tmp_path, tiny_checkpoint):
-    from imagerl.checkpoint import load_checkpoint
+def _poison(ckpt, key_part):
+    """NaN into the first saved tensor whose key contains key_part, checksums rewritten (a consistent checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    file = ckpt / "trainer" / "tensors.safetensors"
+    tensors = load_file(file)
+    key = next(k for k in sorted(tensors) if key_part in k)
+    tensors[key].view(-1)[0] = float("nan")
+    save_file(tensors, file)
+    _rewrite_checksums(ckpt)
+    return key
+
+
+@pytest.mark.parametrize("part", ["model/", "/exp_avg_sq"])
+def test_non_finite_state_in_a_consistent_checkpoint_is_refused_by_name(run, tmp_path, tiny_checkpoint, part):
+    from imagerl.checkpoint_tensors import NonFiniteStateError
+
+    run_dir = _copy(run, tmp_path)
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    key = _poison(ckpt, part)
+    with pytest.raises(NonFiniteStateError, match=rf"step_000002: {key} is not finite.*earlier checkpoint"):
+        train(tiny_config(tiny_checkpoint, run_dir, *COMMON, "train.num_rollouts=3"), resume="latest")
+
+
+def test_no_checkpoint_is_written_with_a_non_finite_tensor(run, tmp_path, tiny_checkpoint):
+    from imagerl.checkpoint import save_checkpoint
+    from imagerl.checkpoint_tensors import NonFiniteStateError
     from imagerl.components import load_adapter, make_optimizer
     from imagerl.distributed.parallel import World
 
     run_dir = _copy(run, tmp_path)
-    ckpt = run_dir / "checkpoints" / "step_000002"
     cfg = tiny_config(tiny_checkpoint, run_dir, *COMMON)
-    world = World(0, 1, torch.device("cpu"))
-    adapter = load_adapter(cfg, world)
-    with torch.no_grad():
-        adapter.trainable_parameters()[0].fill_(float("nan"))
-    # a checkpoint written from NaN weights, checksums and all
-    from imagerl.checkpoint import save_checkpoint
-
-    save_checkpoint(tmp_path / "nan", 1, adapter, make_optimizer(adapter.trainable_parameters(), cfg), cfg.to_dict(), 1)
-    fresh = load_adapter(cfg, world)
-    with pytest.raises(ValueError, match="is not finite"):
-        load_checkpoint(tmp_path / "nan" / "checkpoints" / "step_000001", fresh,
-                        make_optimizer(fresh.trainable_parameters(), cfg))
-    assert ckpt.is_dir()
+    adapter = load_adapter(cfg, World(0, 1, torch.device("cpu")))
+    optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
+    param = adapter.trainable_parameters()[0]
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    optimizer.state[param]["exp_avg"][0] = float("nan")  # what a NaN moment from a bad update would be
+    with pytest.raises(NonFiniteStateError, match=r"not writing checkpoint step_000003: optim/state/.*/exp_avg is not "
+                                                   r"finite.*step_000002, is intact"):
+        save_checkpoint(run_dir, 3, adapter, optimizer, cfg.to_dict(), 3)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 
 
 def test_a_non_finite_loss_stops_the_run_before_the_step_and_keeps_the_last_checkpoint(tiny_checkpoint, tmp_path,
@@ -159,8 +189,7 @@ def test_changed_settings_on_resume_are_applied_or_refused_by_key(run, tmp_path,
     assert (run_dir / "config.yaml").read_text() == original  # the original config is kept
     resumed = (run_dir / "config.resumed_step_000002.yaml").read_text()
     assert "lr: 0.1" in resumed
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from imagerl.checkpoint_tensors import read_trainer_state
 
-    dcp_to_torch_save(run_dir / "checkpoints" / "step_000003" / "dcp", tmp_path / "s3.pt")
-    optim = torch.load(tmp_path / "s3.pt", weights_only=False)["optim"]  # our own file, written just now
+    optim = read_trainer_state(run_dir / "checkpoints" / "step_000003" / "trainer")["optim"]
     assert {g["lr"] for g in optim["param_groups"]} == {0.1}  # the change took effect, as recorded

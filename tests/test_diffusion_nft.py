@@ -211,14 +211,12 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _dcp_states(run_dir, step):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def _saved_states(run_dir, step):
+    """The trainer state of checkpoint `step`: {"model": ..., "optim": ..., "nft": {"old": ..., "ema": ...}}."""
+    from imagerl.checkpoint_tensors import read_trainer_state
 
-    out = run_dir / f"dcp_{step}.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step:06d}" / "dcp", out)
-    del dcp
-    return torch.load(out, weights_only=False)
+    state = read_trainer_state(run_dir / "checkpoints" / f"step_{step:06d}" / "trainer")
+    return {**state, **state.pop("extra")}
 
 
 def test_resume_equals_uninterrupted_run_bit_for_bit(tiny_checkpoint, tmp_path):
@@ -227,7 +225,7 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(tiny_checkpoint, tmp_path):
     train(tiny_config(tiny_checkpoint, straight, *common))
     train(tiny_config(tiny_checkpoint, resumed, *common, "train.num_rollouts=2"))
     train(tiny_config(tiny_checkpoint, resumed, *common), resume="latest")
-    a, b = _dcp_states(straight, 4), _dcp_states(resumed, 4)
+    a, b = _saved_states(straight, 4), _saved_states(resumed, 4)
     for section in ("model", "nft"):
         flat_a, flat_b = torch.utils._pytree.tree_leaves(a[section]), torch.utils._pytree.tree_leaves(b[section])
         assert len(flat_a) == len(flat_b) > 0 and all(torch.equal(x, y) for x, y in zip(flat_a, flat_b))
@@ -252,7 +250,7 @@ def test_lora_export_is_the_ema_and_evaluation_uses_it(tiny_checkpoint, tmp_path
     train(cfg)
     ckpt = tmp_path / "checkpoints" / "step_000001"
     exported = load_file(ckpt / "lora" / "adapter_model.safetensors")
-    saved = _dcp_states(tmp_path, 1)
+    saved = _saved_states(tmp_path, 1)
     ema, policy = saved["nft"]["ema"], saved["model"]
     key = next(k for k in policy if "lora_B" in k)
     peft_key = "base_model.model." + key.replace(".default.", ".")

@@ -99,24 +99,23 @@ def test_deterministic_mode_is_checked_at_startup():
 
 
 def test_interrupted_checkpoint_is_never_picked_up(tiny_checkpoint, tmp_path, monkeypatch):
-    import torch.distributed.checkpoint as dcp
-
+    import imagerl.checkpoint_tensors as checkpoint_tensors
     from conftest import tiny_config
     from imagerl.checkpoint import latest_checkpoint, resolve_resume
     from imagerl.train import train
 
     run = tmp_path / "run"
     overrides = ["train.num_rollouts=2", "run.checkpoint_every=1", "train.num_optimizer_steps=1"]
-    real_save, calls = dcp.save, []
+    real_save, calls = checkpoint_tensors.save_file, []
 
-    def crash_on_second(state, **kwargs):  # the second checkpoint dies half-way through writing its shards
+    def crash_on_second(tensors, file, **kwargs):  # the second checkpoint dies half-way through writing its tensors
         calls.append(1)
         if len(calls) == 2:
-            Path(kwargs["checkpoint_id"]).mkdir(parents=True)
+            Path(file).write_bytes(b"\0" * 100)
             raise KeyboardInterrupt("killed while writing")
-        return real_save(state, **kwargs)
+        return real_save(tensors, file, **kwargs)
 
-    monkeypatch.setattr(dcp, "save", crash_on_second)
+    monkeypatch.setattr(checkpoint_tensors, "save_file", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_config(tiny_checkpoint, run, *overrides))
     assert (run / "checkpoints" / "step_000002.tmp").is_dir()
@@ -129,9 +128,9 @@ def test_interrupted_checkpoint_is_never_picked_up(tiny_checkpoint, tmp_path, mo
         resolve_resume(str(run / "checkpoints" / "step_000003"), run)
     shutil.rmtree(run / "checkpoints" / "step_000003")
 
-    monkeypatch.setattr(dcp, "save", real_save)
+    monkeypatch.setattr(checkpoint_tensors, "save_file", real_save)
     train(tiny_config(tiny_checkpoint, run, *overrides), resume="latest")  # continues after rollout 1
     assert latest_checkpoint(run).name == "step_000002"
     assert not (run / "checkpoints" / "step_000002.tmp").exists()
-    assert sorted(p.name for p in (run / "checkpoints" / "step_000002").iterdir()) == ["dcp", "lora", "rng",
-                                                                                      "state.json"]
+    assert sorted(p.name for p in (run / "checkpoints" / "step_000002").iterdir()) == ["lora", "rng", "state.json",
+                                                                                      "trainer"]

@@ -4,19 +4,21 @@
   lora/adapter_model.safetensors + adapter_config.json   PEFT format (keys base_model.model.<module>.lora_A.weight),
                                                          full tensors gathered on rank 0: a plain PEFT adapter
   lora/pytorch_lora_weights.safetensors                  diffusers format: QwenImagePipeline.load_lora_weights(dir)
-  dcp/                                                   torch.distributed.checkpoint: the trainable params
-                                                         ("model", LoRA) and AdamW state ("optim"), by FQN,
-                                                         each rank writing its shards; loads on any world size
+  trainer/tensors.safetensors + structure.json           the trainable params, AdamW's state and the algorithm's
+                                                         tensors (full, by FQN) in safetensors; hyperparameters and
+                                                         step counts in JSON (checkpoint_tensors.py); loads on any
+                                                         world size
   rng/rank_00000.safetensors ...                         torch / python / numpy / cuda RNG states of each rank
-                                                         (tensors + JSON metadata: nothing is unpickled)
-  state.json                                             rollout step, world size, config and the SHA-256 of
-                                                         every other file (written last)
-Full fine-tuning (`imagerl sft` with lora_rank=0) writes, instead of lora/ and dcp/'s "model":
+                                                         (tensors + JSON metadata)
+  state.json                                             format 2, rollout step, world size, config and the SHA-256
+                                                         of every other file (written last)
+Full fine-tuning (`imagerl sft` with lora_rank=0) writes, instead of lora/ and trainer's "model":
   model/                                                 a complete diffusers-format checkpoint: the base
                                                          checkpoint's other components as symlinks, the
                                                          trained transformer/ (float32 master weights)
-Loading verifies every file's checksum and reads DCP's pickled .metadata with an unpickler that builds only
-checkpoint-metadata types, so a corrupt or crafted checkpoint is refused before anything in it runs or trains.
+Loading unpickles nothing: safetensors and JSON only. Every file's checksum is verified and every restored tensor
+checked finite, so a corrupt checkpoint is refused with the file or tensor named. Format 1 (torch.distributed.
+checkpoint, whose .metadata and optimizer entries are pickles) is refused; `imagerl convert-checkpoint` converts it.
 
 A checkpoint is built in <name>.tmp by all ranks; after a barrier rank 0 writes state.json and renames
 it into place (an existing one renamed aside first), so a crash never leaves a checkpoint under a final name
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from imagerl.checkpoint_tensors import FORMAT, NonFiniteStateError, load_trainer_state, save_trainer_state
 from imagerl.distributed.parallel import World
 
 PEFT_PREFIX = "base_model.model."
@@ -77,15 +80,13 @@ def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, 
                     world: World | None = None, lora_state: dict | None = None, extra: dict | None = None) -> Path:
     """Every rank calls this (the LoRA is gathered and the shards written collectively); rank 0 writes lora/.
     lora_state: the tensors to export in lora/ (default: the policy's; DiffusionNFT exports its EMA); extra:
-    an algorithm's further tensors by name (DiffusionNFT's old and EMA LoRA states), saved in dcp/ with the
-    trainable params."""
+    an algorithm's further tensors by name (DiffusionNFT's old and EMA LoRA states), saved in trainer/ with
+    the trainable params."""
     world = world or _ONE
     final, tmp = _begin(run_dir, step, world)
     state = adapter.lora_state_dict() if lora_state is None else lora_state  # a collective under FSDP
-    if world.is_main:
-        save_lora(adapter, tmp / "lora", state)
     return _commit(run_dir, step, final, tmp, adapter.transformer, optimizer, config, keep, world, with_model=True,
-                   extra=extra)
+                   extra=extra, write_main=lambda: save_lora(adapter, tmp / "lora", state))
 
 
 def save_full_checkpoint(run_dir: Path, step: int, transformer, base: Path, optimizer, config: dict,
@@ -95,9 +96,8 @@ def save_full_checkpoint(run_dir: Path, step: int, transformer, base: Path, opti
     One process only (the transformer is saved with save_pretrained)."""
     world = world or _ONE
     final, tmp = _begin(run_dir, step, world)
-    if world.is_main:
-        save_model_dir(base, transformer, tmp / "model", link=True)
-    return _commit(run_dir, step, final, tmp, transformer, optimizer, config, keep, world, with_model=False)
+    return _commit(run_dir, step, final, tmp, transformer, optimizer, config, keep, world, with_model=False,
+                   write_main=lambda: save_model_dir(base, transformer, tmp / "model", link=True))
 
 
 _ONE = World(0, 1, torch.device("cpu"))
@@ -114,37 +114,80 @@ def _begin(run_dir: Path, step: int, world: World) -> tuple[Path, Path]:
     return final, tmp
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _options(strict: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # setting: not strict, the frozen base weights are not in the state (dcp.load above checked the LoRA keys)
-    return StateDictOptions(ignore_frozen_params=True, strict=strict)
-
-
 def _commit(run_dir: Path, step: int, final: Path, tmp: Path, module, optimizer, config: dict, keep: int,
-            world: World, with_model: bool, extra: dict | None = None) -> Path:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    state = {"optim": get_optimizer_state_dict(module, optimizer, options=_options())}
-    if with_model:
-        state["model"] = get_model_state_dict(module, options=_options())
-    state.update(extra or {})
-    dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not _distributed())
-    (tmp / "rng").mkdir(exist_ok=True)
-    _save_rng(tmp / "rng" / f"rank_{world.rank:05d}.safetensors")
-    world.barrier()  # every rank's files are complete before the checkpoint becomes valid
+            world: World, with_model: bool, extra: dict | None = None, write_main=None) -> Path:
+    """Write the trainer state and RNG into tmp (and `write_main()` on rank 0), then state.json, then swap it
+    into place. A non-finite tensor or a full disk removes tmp and raises one line; the last checkpoint stays."""
+    try:
+        if world.is_main and write_main is not None:
+            write_main()
+        save_trainer_state(tmp / "trainer", module, optimizer, extra, world, with_model=with_model)
+        (tmp / "rng").mkdir(exist_ok=True)
+        _save_rng(tmp / "rng" / f"rank_{world.rank:05d}.safetensors")
+        world.barrier()  # every rank's files are complete before the checkpoint becomes valid
+        if world.is_main:
+            state = {"format": FORMAT, "step": step, "world_size": world.size, "config": config,
+                     "sha256": _checksums(tmp)}
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    except NonFiniteStateError as e:
+        _discard(tmp, world)
+        raise NonFiniteStateError(f"not writing checkpoint {final.name}: {e}; {_last_intact(run_dir)}") from e
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        _discard(tmp, world)
+        raise DiskFullError(f"no space left on the device of {run_dir} while writing checkpoint {final.name} "
+                            f"(it needs about {_size_needed(run_dir, tmp)}, {_free(run_dir)} free); "
+                            f"{_last_intact(run_dir)}. Free space, then continue with --resume latest") from None
     if world.is_main:
-        state = {"step": step, "world_size": world.size, "config": config, "sha256": _checksums(tmp)}
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
         _swap_into_place(tmp, final)
         _prune(run_dir, keep)
     world.barrier()
     return final
+
+
+class DiskFullError(OSError):
+    """ENOSPC / EDQUOT while a checkpoint was written: the partial checkpoint is removed, the last one is intact."""
+
+
+def _is_disk_full(e: BaseException | None) -> bool:
+    import errno
+
+    while e is not None:  # safetensors and others wrap the OSError; its text survives
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _discard(tmp: Path, world: World) -> None:
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _last_intact(run_dir: Path) -> str:
+    done = _complete(run_dir)
+    return f"the last checkpoint, {done[-1]}, is intact" if done else "no earlier checkpoint exists"
+
+
+def _complete(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "checkpoints").glob("step_*")
+                  if not p.name.endswith((".tmp", ".old")) and (p / "state.json").is_file())
+
+
+def _size_needed(run_dir: Path, tmp: Path) -> str:
+    done = _complete(run_dir)
+    source = done[-1] if done else tmp  # a checkpoint is as large as the previous one; else what was written
+    size = sum(f.stat().st_size for f in source.rglob("*") if f.is_file() and not f.is_symlink())
+    return ("" if done else "more than ") + _mb(size)
+
+
+def _free(run_dir: Path) -> str:
+    return _mb(shutil.disk_usage(run_dir).free)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
 
 
 def _swap_into_place(tmp: Path, final: Path) -> None:
@@ -180,9 +223,16 @@ def _checksums(directory: Path) -> dict[str, str]:
 
 def verify_checkpoint(path: Path) -> dict:
     """The checkpoint's state.json, after checking that every file it lists has its SHA-256, that no file is
-    missing or unlisted, and that dcp/.metadata unpickles to torch.distributed.checkpoint's metadata types only
-    (torch's loader unpickles it: a crafted one could run code). ValueError names the first bad file."""
+    missing or unlisted, and that it is in the current format (format 1 holds pickles: refused with the command
+    that converts it). ValueError names the first bad file."""
     state = read_state(path)
+    check_format(path, state)
+    verify_files(path, state)
+    return state
+
+
+def verify_files(path: Path, state: dict) -> None:
+    """Every file listed in state.json has its SHA-256; none is missing or unlisted."""
     expected = state.get("sha256")
     if expected is None:
         raise ValueError(f"{path}: state.json has no checksums (a checkpoint from an older imagerl, or edited); "
@@ -196,43 +246,18 @@ def verify_checkpoint(path: Path) -> dict:
         if actual[name] != expected[name]:
             raise ValueError(f"{path}: {name} does not match its checksum: the file is corrupt or was modified; "
                              "resume from an earlier checkpoint (--resume <run>/checkpoints/step_N)")
-    if (path / "dcp" / ".metadata").is_file():
-        _check_dcp_metadata(path / "dcp" / ".metadata")
-    return state
 
 
-# what torch.distributed.checkpoint's .metadata pickle may construct (read off its files with pickletools): the
-# metadata dataclasses, torch sizes, dtypes and layouts, paths; nothing that can call out
-_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # dataclasses and enums only
-_DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                         ("torch.serialization", "_get_layout"), ("torch", "Size"),
-                         ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                         ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
-_DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
-
-
-def _check_dcp_metadata(path: Path) -> None:
-    """Unpickle DCP's .metadata with an unpickler that constructs only checkpoint-metadata types (no callable
-    outside them, e.g. os.system): a crafted file is refused before torch's own loader unpickles it."""
-    import pickle
-
-    class Restricted(pickle.Unpickler):
-        def find_class(self, module, name):
-            if (module == _DCP_METADATA_MODULE or (module, name) in _DCP_METADATA_GLOBALS
-                    or (module == "torch" and name in _DTYPES)):
-                return super().find_class(module, name)
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-
-    try:
-        with open(path, "rb") as f:
-            metadata = Restricted(f).load()
-    except Exception as e:  # any failure: not the metadata torch.distributed.checkpoint writes
-        raise ValueError(f"{path} is not a torch.distributed.checkpoint metadata file ({type(e).__name__}: {e}); "
-                         "refusing to load it") from e
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    if not isinstance(metadata, Metadata):
-        raise ValueError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata; refusing to load it")
+def check_format(path: Path, state: dict) -> None:
+    """Refuse format 1 (torch.distributed.checkpoint: pickles) with the command that converts it."""
+    if state.get("format", 1) == FORMAT:
+        return
+    if state.get("format", 1) == 1 and (path / "dcp").is_dir():
+        raise ValueError(f"{path} is in imagerl's checkpoint format 1 (torch.distributed.checkpoint, imagerl 0.1.0 "
+                         "before 2026-12-06), whose metadata and optimizer entries are Python pickles that run code "
+                         "when loaded; imagerl no longer loads it. If you trust its origin, convert it (this "
+                         f"unpickles it once): imagerl convert-checkpoint {path}")
+    raise ValueError(f"{path}: state.json says format {state.get('format')!r}; this imagerl reads format {FORMAT}")
 
 
 def read_state(path: Path) -> dict:
@@ -368,15 +393,7 @@ def load_checkpoint(path: Path, adapter, optimizer, world: World | None = None, 
     """Restore LoRA, optimizer and RNG (every rank; any world size); return the rollout step the checkpoint
     was taken after. extra: tensors saved with save_checkpoint(extra=...), loaded into in place."""
     verify_checkpoint(path)
-    if not (path / "dcp").is_dir():
-        raise ValueError(f"{path} has no dcp/ (a checkpoint from an older imagerl, whose optimizer and RNG files "
-                         "are pickles, which imagerl no longer loads); start a new run from its lora/ instead")
-    _load_distributed(path, adapter.transformer, optimizer, with_model=True, extra=extra)
-    bad = [name for name, p in adapter.transformer.named_parameters()
-           if p.requires_grad and not torch.isfinite(p.detach()).all()]
-    if bad:
-        raise ValueError(f"{path}: the LoRA weight {bad[0]} (and {len(bad) - 1} more) is not finite; resume from "
-                         "an earlier checkpoint")
+    load_trainer_state(path / "trainer", adapter.transformer, optimizer, extra)
     return _restore(path, optimizer, world or _ONE)
 
 
@@ -390,8 +407,7 @@ def load_full_checkpoint(path: Path, transformer, optimizer) -> int:
     saved = type(transformer).from_pretrained(path / "model", subfolder="transformer", torch_dtype=torch.float32)
     transformer.load_state_dict(saved.state_dict())
     del saved
-    if (path / "dcp").is_dir():
-        _load_distributed(path, transformer, optimizer, with_model=False)
+    load_trainer_state(path / "trainer", transformer, optimizer, with_model=False)
     return _restore(path, optimizer, _ONE)
 
 
@@ -413,29 +429,6 @@ def merged_lora_transformer(base: Path, lora_dir: Path):
     transformer.fuse_lora()
     transformer.unload_lora()
     return transformer
-
-
-def _load_distributed(path: Path, module, optimizer, with_model: bool, extra: dict | None = None) -> None:
-    """dcp.load into this rank's (possibly sharded) state dicts: DCP reshards between world sizes."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-
-    state = {"optim": get_optimizer_state_dict(module, optimizer, options=_options())}
-    if with_model:
-        state["model"] = get_model_state_dict(module, options=_options())
-        dcp.load({"model": state["model"]}, checkpoint_id=str(path / "dcp"), no_dist=not _distributed())
-    if extra:  # in place into the caller's (possibly sharded) tensors
-        dcp.load(extra, checkpoint_id=str(path / "dcp"), no_dist=not _distributed())
-    # the target's AdamW state is initialised for every trainable param; params that never got a gradient
-    # (e.g. the last block's unused text-stream output) have no state in the checkpoint and keep it empty-ish:
-    # AdamW skips params without a gradient, so they are never touched either way
-    dcp.load({"optim": state["optim"]}, checkpoint_id=str(path / "dcp"), no_dist=not _distributed(),
-             planner=DefaultLoadPlanner(allow_partial_load=True))
-    if with_model:
-        set_model_state_dict(module, state["model"], options=_options(strict=False))
-    set_optimizer_state_dict(module, optimizer, state["optim"], options=_options())
 
 
 def _restore(path: Path, optimizer, world: World) -> int:

@@ -1,4 +1,5 @@
-"""imagerl command line: train | sample | eval | sft | make-tiny-checkpoint | make-synthetic-data | recipes | report."""
+"""imagerl command line: train | sample | eval | sft | make-tiny-checkpoint | make-synthetic-data | recipes | report |
+convert-checkpoint."""
 
 from __future__ import annotations
 
@@ -160,6 +161,16 @@ def _bench(args) -> int:
     return 0
 
 
+def _convert_checkpoint(args) -> int:
+    from imagerl.checkpoint_convert import convert_checkpoint
+
+    for path in args.checkpoints:
+        print(f"converting {path} (reading format 1 unpickles its dcp/ files: only for checkpoints you trust)")
+        convert_checkpoint(Path(path))
+        print(f"converted {path} to format 2 (trainer/: safetensors + JSON); resume it with --resume {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imagerl", description="Online RL (Flow-GRPO, DiffusionNFT) for flow-matching text-to-image models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -285,6 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--no-phases", action="store_true", help="skip plots/phases.png")
     p.set_defaults(fn=_report)
+    p = sub.add_parser("convert-checkpoint", help="rewrite a checkpoint of imagerl's format 1 (torch.distributed."
+                       "checkpoint, pickles) in format 2 (safetensors + JSON), in place",
+                       description="Format 1's dcp/ holds Python pickles, which can run code when read: resume refuses "
+                       "it. This command reads it once with torch.distributed.checkpoint's loader; run it only on "
+                       "checkpoints you trust.")
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help="checkpoint directories (runs/X/checkpoints/"
+                   "step_N)")
+    p.set_defaults(fn=_convert_checkpoint)
     return parser
 
 

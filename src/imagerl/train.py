@@ -23,8 +23,9 @@ from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_rew
                              require_wandb, save_image_grid)
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
+from imagerl.run_lock import hold_run_dir
 from imagerl.scoring import AsyncScorer, ScoredRollout
-from imagerl.validation import check_fresh_run_dir, check_output_dir, validate
+from imagerl.validation import check_fresh_run_dir, validate
 
 
 def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Path:
@@ -46,9 +47,6 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Pa
     run_dir = cfg.output_dir
     resume_from = resolve_resume(resume, run_dir) if resume else None
     changed = check_resume_config(resume_from, cfg.to_dict()) if resume_from else []
-    if resume_from is None and not overwrite:  # every rank raises alike; with overwrite rank 0 alone clears below
-        check_fresh_run_dir(run_dir, overwrite=False)
-        world.barrier()  # every rank has looked before rank 0 writes anything there
     if resume_from is not None:
         done_before = read_state(resume_from)["step"]
         if done_before >= cfg.train.num_rollouts:  # nothing to do: say so before anything loads
@@ -60,14 +58,21 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Pa
         if world.is_main:
             print(f"resuming {run_dir} after rollout {done_before} of {cfg.train.num_rollouts} from {resume_from}"
                   + (f"; changed settings, applied: {', '.join(changed)}" if changed else ""))
+    with hold_run_dir(run_dir, world):  # one writer: a second run into run_dir is refused, naming this one
+        return _train(cfg, world, plan, train_set, test_set, resume_from, overwrite)
+
+
+def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | None, overwrite: bool) -> Path:
+    run_dir = cfg.output_dir
+    if resume_from is None and not overwrite:  # every rank raises alike; with overwrite rank 0 alone clears below
+        check_fresh_run_dir(run_dir, overwrite=False)
+        world.barrier()  # every rank has looked before rank 0 writes anything there
     scorer = Scorer(cfg.reward, world.device)
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
 
-    if world.is_main:  # after every config error (it creates the directory), before the slow part
-        if resume_from is None and overwrite:
-            check_fresh_run_dir(run_dir, overwrite=True)
-        check_output_dir(run_dir)  # unwritable or full: said now, not after the model loads and a rollout runs
+    if world.is_main and resume_from is None and overwrite:  # after every config error, before the slow part
+        check_fresh_run_dir(run_dir, overwrite=True)
     if world.is_main and world.device.type == "cpu":
         _warn_if_slow_on_cpu(cfg, world)
     adapter = load_adapter(cfg, world)  # LoRA added, activation checkpointing on

@@ -193,12 +193,15 @@ def check_fresh_run_dir(path, overwrite: bool) -> None:
     removes imagerl's outputs (RUN_OUTPUTS) first; other files are left alone. Call on rank 0 only."""
     import shutil
 
+    from imagerl.run_lock import LOCK_FILE
+
     path = Path(path)
-    if not path.is_dir() or not any(path.iterdir()):
+    present = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
+    if not present:  # absent, empty, or only the lock file (this run's, or one a finished run left)
         return
     ours = sorted({p for pattern in RUN_OUTPUTS for p in path.glob(pattern)})
     if not overwrite:
-        held = ", ".join(p.name for p in ours[:4]) or ", ".join(sorted(p.name for p in path.iterdir())[:4])
+        held = ", ".join(p.name for p in ours[:4]) or ", ".join(present[:4])
         raise FileExistsError(f"{path} already holds a run ({held}); continue it with `--resume latest` (same "
                               f"--recipe/--output-dir), start over with --overwrite (deletes its checkpoints, "
                               f"metrics, images and plots), or choose another --output-dir")

@@ -1,0 +1,66 @@
+"""`imagerl convert-checkpoint`: a format-1 checkpoint (torch.distributed.checkpoint in dcp/) rewritten in format 2
+(trainer/: safetensors + JSON, checkpoint_tensors.py), in place.
+
+Format 1's dcp/.metadata and its non-tensor optimizer entries are Python pickles: reading them can run code, so
+imagerl's resume refuses them and only this command, run knowingly on a checkpoint the user trusts, reads them
+(with torch.distributed.checkpoint's own loader, the one imagerl 0.1.0 used). Everything else (lora/, rng/, the
+config) is kept; the checksums are recomputed over the new files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from imagerl.checkpoint import _checksums, _swap_into_place, read_state, verify_files
+from imagerl.checkpoint_tensors import FORMAT, STRUCTURE, TENSORS, flatten, non_finite
+
+# format 1 stored the algorithm's tensors beside "model" and "optim" at the top of the DCP state
+_TRAINER_KEYS = ("model", "optim")
+
+
+def convert_checkpoint(path: Path) -> Path:
+    """Convert the format-1 checkpoint at `path` in place; return it. ValueError if it is not one, or corrupt."""
+    path = Path(path)
+    state = read_state(path)
+    if state.get("format", 1) == FORMAT:
+        raise ValueError(f"{path} is already in format {FORMAT}; nothing to convert")
+    if not (path / "dcp" / ".metadata").is_file():
+        raise ValueError(f"{path} has no dcp/.metadata: not a format-1 imagerl checkpoint")
+    verify_files(path, state)  # a modified checkpoint is not converted (its checksums are the writer's)
+    loaded = _read_dcp(path / "dcp")
+    tree = {k: loaded[k] for k in _TRAINER_KEYS if k in loaded}
+    extra = {k: v for k, v in loaded.items() if k not in _TRAINER_KEYS}
+    if extra:
+        tree["extra"] = extra
+    structure, tensors = flatten(tree)
+    bad = non_finite(tensors)
+    if bad:
+        raise ValueError(f"{path}: {bad[0]} is not finite (NaN or inf); not converting it")
+
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(path, tmp, symlinks=True, ignore=shutil.ignore_patterns("dcp", "state.json"))
+    (tmp / "trainer").mkdir()
+    save_file({k: t.contiguous().clone() for k, t in tensors.items()}, tmp / "trainer" / TENSORS)
+    (tmp / "trainer" / STRUCTURE).write_text(json.dumps({"format": FORMAT, "state": structure}, indent=1))
+    state = {**state, "format": FORMAT, "sha256": _checksums(tmp)}
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    _swap_into_place(tmp, path)
+    return path
+
+
+def _read_dcp(directory: Path) -> dict:
+    """The whole DCP state as nested dicts (CPU tensors): torch.distributed.checkpoint's loader, which unpickles."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(directory)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return state
