@@ -52,7 +52,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, checkpoint, run_dir, cache, overrides, resume):
+def _rank_main(rank: int, world_size: int, port: int, checkpoint, run_dir, cache, overrides, resume, no_pickles):
     import torch.distributed as dist
 
     if world_size == 1:
@@ -62,17 +62,22 @@ def _rank_main(rank: int, world_size: int, port: int, checkpoint, run_dir, cache
     torch.set_num_threads(1)
     from imagerl.train import train
 
+    if no_pickles:  # after spawn has unpickled this function's arguments: the run itself must unpickle nothing
+        import no_unpickling
+
+        no_unpickling.install()
+
     train(tiny_config(checkpoint, run_dir, *COMMON, *overrides), resume=resume)
     if dist.is_initialized():
         dist.barrier()  # rank 0 may still be writing: tear the group down together
         dist.destroy_process_group()
 
 
-def _run(world_size: int, checkpoint, run_dir, *overrides, resume=None):
+def _run(world_size: int, checkpoint, run_dir, *overrides, resume=None, no_pickles=False):
     """Every run in fresh processes with one thread each (the kernels' summation order depends on the thread
     count), a single process included."""
     mp.start_processes(_rank_main, args=(world_size, _free_port(), checkpoint, run_dir, os.environ["IMAGERL_CACHE"],
-                                         list(overrides), resume), nprocs=world_size, join=True, start_method="spawn")
+                                         list(overrides), resume, no_pickles), nprocs=world_size, join=True, start_method="spawn")
 
 
 def _records(run_dir):
@@ -139,15 +144,18 @@ def test_one_two_and_four_ranks_agree_and_resume_across_world_sizes(tiny_checkpo
 @pytest.mark.slow
 def test_diffusion_nft_on_two_ranks_equals_one_process(tiny_checkpoint, tmp_path):
     """DiffusionNFT under FSDP2: the old-policy and EMA states are sharded like the LoRA and swapped in per rank;
-    2 ranks give one process's rewards, losses and exported (EMA) LoRA, and resume its checkpoint on 1 rank."""
+    2 ranks give one process's rewards, losses and exported (EMA) LoRA, and resume its checkpoint on 1 rank and on
+    2 ranks, the latter with every unpickling path made to raise (tests/no_unpickling.py)."""
     nft = ["train.algorithm=diffusion_nft", "nft.solver=dpm2", "nft.old_decay_rate=0.3", "nft.ref_weight=0.01"]
-    one, two, two_to_one = tmp_path / "w1", tmp_path / "w2", tmp_path / "2to1"
+    one, two, two_to_one, two_to_two = tmp_path / "w1", tmp_path / "w2", tmp_path / "2to1", tmp_path / "2to2"
     _run(1, tiny_checkpoint, one, *nft)
     _run(2, tiny_checkpoint, two, *nft)
     _run(1, tiny_checkpoint, two_to_one, *nft, resume=str(two / "checkpoints" / "step_000001"))
+    _run(2, tiny_checkpoint, two_to_two, *nft, resume=str(two / "checkpoints" / "step_000001"), no_pickles=True)
     r1 = _records(one)
     assert [r["step"] for r in r1] == [1, 2] and r1[-1]["train/old_deviation"] > 0
-    for other, records in ((two, _records(two)), (two_to_one, _records(two_to_one))):
+    for other in (two, two_to_one, two_to_two):
+        records = _records(other)
         for a, b in zip(r1[-len(records):], records):
             for key in [*EQUAL_KEYS, "train/loss", "train/policy_loss", "train/ref_loss", "train/old_deviation",
                         "train/grad_norm"]:
