@@ -108,7 +108,7 @@ def _begin(run_dir: Path, step: int, world: World) -> tuple[Path, Path]:
     tmp = final.with_name(final.name + ".tmp")
     if world.is_main:
         if tmp.exists():
-            shutil.rmtree(tmp)
+            _rmtree(tmp)
         tmp.mkdir(parents=True)
     world.barrier()
     return final, tmp
@@ -162,7 +162,7 @@ def _is_disk_full(e: BaseException | None) -> bool:
 
 def _discard(tmp: Path, world: World) -> None:
     if world.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _rmtree(tmp, ignore_errors=True)
 
 
 def _last_intact(run_dir: Path) -> str:
@@ -190,17 +190,25 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MB"
 
 
+def _rmtree(path: Path, ignore_errors: bool = False) -> None:
+    """shutil.rmtree, but a symbolic link where a checkpoint directory belongs is named, not followed or removed."""
+    if Path(path).is_symlink():
+        raise ValueError(f"{path} is a symbolic link where imagerl keeps its own checkpoint directories (it removes "
+                         "old ones as the run goes); move the link out of checkpoints/ and resume")
+    shutil.rmtree(path, ignore_errors=ignore_errors)
+
+
 def _swap_into_place(tmp: Path, final: Path) -> None:
     """tmp -> final without a moment in which neither is complete: an existing final is renamed aside first and
     removed last. A kill in between leaves a complete step_N.tmp or step_N.old that resolve_resume recovers."""
     old = final.with_name(final.name + ".old")
     if old.exists():
-        shutil.rmtree(old)
+        _rmtree(old)
     if final.exists():
         final.rename(old)
     tmp.rename(final)
     if old.exists():
-        shutil.rmtree(old)
+        _rmtree(old)
 
 
 def _checksums(directory: Path) -> dict[str, str]:
@@ -323,7 +331,7 @@ def save_model_dir(base: Path, transformer, out: Path, link: bool) -> Path:
 def _prune(run_dir: Path, keep: int) -> None:
     done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
     for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+        _rmtree(old)
 
 
 def recover_interrupted(run_dir: Path) -> None:

@@ -299,19 +299,19 @@ def _check_type(key: str, value, hint):
     if hint is type(None):
         if value is None:
             return None
-        raise ValueError(f"{key}: expected null, got {value!r}")
+        raise ValueError(f"{key}: expected null, got {_short(value)}")
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
-        raise ValueError(f"{key}: expected {hint.__name__}, got {value!r}")
+        raise ValueError(f"{key}: expected {hint.__name__}, got {_short(value)}")
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key}: expected a list, got {value!r}")
+            raise ValueError(f"{key}: expected a list, got {_short(value)}")
         (item,) = typing.get_args(hint)
         return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+            raise ValueError(f"{key}: expected a mapping, got {_short(value)}")
         _, val_t = typing.get_args(hint)
         return {str(k): _check_type(f"{key}.{k}", v, val_t) for k, v in value.items()}
     if origin is typing.Union:
@@ -320,7 +320,8 @@ def _check_type(key: str, value, hint):
                 return _check_type(key, value, option)
             except ValueError:
                 pass
-        raise ValueError(f"{key}: {value!r} is none of {[getattr(a, '__name__', a) for a in typing.get_args(hint)]}")
+        options = [getattr(a, "__name__", a) for a in typing.get_args(hint)]
+        raise ValueError(f"{key}: {_short(value)} is none of {options}")
     raise TypeError(f"unsupported config type {hint} for {key}")
 
 
@@ -337,7 +338,7 @@ def _set(cfg: Config, dotted: str, value) -> None:
         if dataclasses.is_dataclass(hints[name]):
             if depth == len(parts) - 1:
                 if not isinstance(value, dict):
-                    raise ValueError(f"{dotted}: expected a section (mapping), got {value!r}")
+                    raise ValueError(f"{dotted}: expected a section (mapping), got {_short(value)}")
                 for k, v in value.items():
                     _set(cfg, f"{dotted}.{k}", v)
                 return
@@ -367,7 +368,7 @@ def load_config(recipe: str = "quickstart", overrides: list[str] = ()) -> Config
     elif not path.is_file():
         raise ValueError(f"recipe file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _safe_load(path.read_text(), f"recipe {path}") or {}
     except yaml.YAMLError as e:
         raise ValueError(f"recipe {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
@@ -385,11 +386,53 @@ def config_from_dict(data: dict, overrides: list[str] = ()) -> Config:
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else raw  # "sample.negative_prompt= " keeps the space
+            value = _safe_load(raw, f"override {item[:60]!r}") if raw.strip() else raw  # "x= " keeps the space
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r}: cannot parse value: {e}") from e
         _set(cfg, key.strip(), value)
     return cfg
+
+
+# A config is a few hundred values; YAML aliases (&a / *a) can make a few hundred bytes stand for billions (each
+# alias of a list of aliases multiplies), which safe_load shares but any message or copy would expand
+MAX_EXPANDED_VALUES = 100_000
+
+
+def _safe_load(text: str, what: str):
+    """yaml.safe_load, refusing a document whose aliases expand past MAX_EXPANDED_VALUES values."""
+    data = yaml.safe_load(text)
+    try:
+        size = _expanded_size(data, {})
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply to be a config") from None
+    if size > MAX_EXPANDED_VALUES:
+        raise ValueError(f"{what} expands to more than {MAX_EXPANDED_VALUES} values through YAML aliases (&name / "
+                         "*name): an alias bomb, or far more than any config; write the values out")
+    return data
+
+
+def _expanded_size(value, memo: dict) -> int:
+    """Values in `value` with every shared (aliased) object counted each time it occurs: O(distinct objects)."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, dict):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        size = 1 + sum(_expanded_size(v, memo) for v in value)
+    else:
+        size = 1
+    memo[id(value)] = size = min(size, MAX_EXPANDED_VALUES + 1)  # past the limit the count stops mattering
+    return size
+
+
+def _short(value, limit: int = 120) -> str:
+    """repr(value) for a message, at most `limit` characters (reprlib: nested containers cut, not expanded)."""
+    import reprlib
+
+    cut = reprlib.Repr()  # attributes, not keywords: Python 3.10 and 3.11 take none
+    cut.maxlevel, cut.maxlist, cut.maxtuple, cut.maxdict, cut.maxstring, cut.maxother = 3, 6, 6, 6, 80, 80
+    short = cut.repr(value)
+    return short if len(short) <= limit else short[:limit - 3] + "..."
 
 
 _DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")

@@ -145,7 +145,7 @@ class MetricsLogger:
         import warnings
 
         kept = []
-        for number, line in enumerate(self.path.read_text().splitlines(), 1):
+        for number, line in text_lines(self.path):
             try:
                 record = json.loads(line) if line.strip() else None
             except json.JSONDecodeError:
@@ -269,21 +269,35 @@ def save_image_grid(images_B3HW: torch.Tensor, rewards_B: torch.Tensor, path: Pa
 # ---------------------------------------------------------------- metrics.jsonl and plots
 
 
+def text_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of each line that decodes as UTF-8; a line that does not (bytes appended by something
+    else, a disk error) is skipped with a warning naming the file and line."""
+    import warnings
+
+    out = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            out.append((number, raw.decode("utf-8")))
+        except UnicodeDecodeError:
+            warnings.warn(f"{path}: line {number} is not UTF-8 text; skipped", stacklevel=3)
+    return out
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of <run_dir>/metrics.jsonl in file order. A cut-off last line (a crash while writing)
     is skipped; any other unreadable line is a ValueError naming it."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl; is it an imagerl run directory?")
-    lines = path.read_text().splitlines()
+    lines = text_lines(path)
     records = []
-    for lineno, line in enumerate(lines, 1):
+    for lineno, line in lines:
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            if lineno == len(lines):
+            if lineno == lines[-1][0]:
                 break
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
         if not isinstance(record, dict) or "step" not in record:

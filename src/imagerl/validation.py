@@ -50,6 +50,10 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             raise ValueError(f"{key} must be >= 1, got {value}")
     if not 1 <= world_size:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if s.group_size == 1:  # an advantage is a reward minus its group's mean: a group of one is always 0
+        raise ValueError("sample.group_size=1: every advantage would be 0 (a sample is compared with the other samples "
+                         "of its prompt), so nothing would be learned; use sample.group_size >= 2 (the quickstart "
+                         "uses 8)")
     for key, value in {"sample.height": s.height, "sample.width": s.width}.items():
         if value % LATENT_PIXELS:  # qwen_image21 needs multiples of 32: its adapter checks when the model loads
             raise ValueError(f"{key} must be a positive multiple of {LATENT_PIXELS} (the VAE's factor 8 x the "
