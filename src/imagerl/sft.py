@@ -26,9 +26,10 @@ import yaml
 from imagerl.checkpoint import (load_checkpoint, load_full_checkpoint, merged_lora_transformer, resolve_resume,
                                 save_checkpoint, save_full_checkpoint, save_model_dir)
 from imagerl.components import NAMED_MODELS, resolve_dtype, resolve_model_path
-from imagerl.distributed.parallel import resolve_device
+from imagerl.distributed.parallel import World, resolve_device
 from imagerl.distributed.rng import make_generator
 from imagerl.model_defaults import ModelDefaults, model_defaults
+from imagerl.run_lock import hold_run_dir
 from imagerl.sft_data import batch_indices, load_examples, load_image
 
 
@@ -211,14 +212,19 @@ class SFTRun:
 
 def sft(cfg: SFTConfig, resume: str | None = None) -> SFTRun:
     """Train for cfg.num_steps optimizer steps (continuing a checkpoint with `resume`)."""
-    from imagerl.metrics import MetricsLogger, memory_metrics, progress_bar
-
     validate_sft(cfg)
     examples = load_examples(cfg.data)  # data errors before any model loads
     cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()), model=cfg.model if cfg.model
                               in NAMED_MODELS else str(Path(cfg.model).expanduser().resolve()))  # cwd-proof
     cfg = with_model_defaults(cfg, model_defaults(resolve_model_path(cfg.model)))
     run_dir = Path(cfg.output_dir)
+    with hold_run_dir(run_dir, World(0, 1, torch.device("cpu"))):  # one writer, as imagerl train (run_lock.py)
+        return _sft(cfg, examples, run_dir, resume)
+
+
+def _sft(cfg: SFTConfig, examples, run_dir: Path, resume: str | None) -> SFTRun:
+    from imagerl.metrics import MetricsLogger, memory_metrics, progress_bar
+
     resume_from = resolve_resume(resume, run_dir) if resume else None
     if resume_from is None and list((run_dir / "checkpoints").glob("step_*")):
         raise ValueError(f"{run_dir} already holds checkpoints: continue with --resume latest or pick another --output-dir")
