@@ -63,3 +63,13 @@ def test_the_lock_is_released_when_a_run_ends_or_fails(tiny_checkpoint, tmp_path
     fd = acquire(run_dir)  # train released it
     assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
     release(fd)
+
+
+def test_a_run_that_fails_before_writing_leaves_no_directory(tmp_path):
+    from imagerl.config import load_config
+
+    run_dir = tmp_path / "new" / "run"
+    cfg = load_config("quickstart", [f"run.output_dir={run_dir}", f"model.path={tmp_path / 'no-such-model'}"])
+    with pytest.raises(ValueError, match="no-such-model"):
+        train(cfg)
+    assert not (tmp_path / "new").exists()

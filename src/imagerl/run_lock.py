@@ -40,14 +40,21 @@ def acquire(run_dir: Path) -> int:
 
     check_output_dir(run_dir)  # creates it; an unwritable path is a ValueError naming it
     file = Path(run_dir) / LOCK_FILE
-    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    while True:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise RunDirInUse(f"{run_dir} is in use by another imagerl run ({_holder(file)}); two runs in one "
+                              "directory would interleave their checkpoints and metrics. Wait for it to end, stop it, "
+                              "or choose another --output-dir") from None
+        try:  # the file we locked is still the one at the path (a failed run removes its lock file: see below)
+            if os.stat(file).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         os.close(fd)
-        raise RunDirInUse(f"{run_dir} is in use by another imagerl run ({_holder(file)}); two runs in one directory "
-                          "would interleave their checkpoints and metrics. Wait for it to end, stop it, or choose "
-                          "another --output-dir") from None
     record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps(record).encode())
@@ -63,8 +70,12 @@ def release(fd: int) -> None:
 
 @contextlib.contextmanager
 def hold_run_dir(run_dir: Path, world):
-    """Within: this run (rank 0 for all ranks) holds run_dir's lock. Every rank raises alike when it cannot."""
+    """Within: this run (rank 0 for all ranks) holds run_dir's lock. Every rank raises alike when it cannot. A
+    directory this run created and left holding only the lock file (a failure before anything was written, e.g. a
+    bad --model) is removed again."""
     fd, error = None, None
+    new = [d for d in (Path(run_dir), *Path(run_dir).parents) if not d.exists()]  # made by this run, innermost first
+    created = bool(new)
     if world.is_main:
         try:
             fd = acquire(run_dir)
@@ -82,4 +93,10 @@ def hold_run_dir(run_dir: Path, world):
         yield
     finally:
         if fd is not None:
+            left_empty = created and [p.name for p in Path(run_dir).iterdir()] == [LOCK_FILE]
+            if left_empty:  # unlinked while locked: a process waiting on this file retries on a new one
+                (Path(run_dir) / LOCK_FILE).unlink()
             release(fd)
+            for directory in new if left_empty else []:
+                with contextlib.suppress(OSError):  # a directory something else wrote into meanwhile stays
+                    directory.rmdir()
