@@ -27,7 +27,7 @@ def _config(world: int, p: int, k: int, batch: int, opt_steps: int = 1) -> Confi
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_each_prompts_k_samples_exist_exactly_once_across_ranks(world):
     checked = rejected = 0
-    for p, k, batch in itertools.product([1, 2, 3, 4, 6, 8, 12], [1, 2, 3, 4], [1, 2, 4]):
+    for p, k, batch in itertools.product([1, 2, 3, 4, 6, 8, 12], [2, 3, 4], [1, 2, 4]):
         cfg = _config(world, p, k, batch)
         try:
             plan = validate(cfg, world)
