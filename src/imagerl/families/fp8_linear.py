@@ -4,7 +4,10 @@
 Weights are scaled per output channel and activations per row (token), both to the e4m3 range:
   s_w[n] = max_k |W[n, k]| / 448,  W_q = e4m3(W / s_w)        once, when the merged weights are built
   s_x[m] = max_k |x[m, k]| / 448,  x_q = e4m3(x / s_x)        at every call
-  y = (x_q @ W_q^T) * s_x * s_w^T + b                          torch._scaled_mm: fp32 accumulation, bf16 out
+  y = (x_q @ W_q^T) * s_x * s_w^T + b                          torch._scaled_mm: fp32 accumulator, bf16 out
+(On Hopper the FP8 tensor-core MMAs add their products with about 14 bits before the fp32 accumulator takes
+them, DeepSeek-V3 technical report arXiv:2412.19437 section 3.3.2: an error of about 2^-14 of sum_k |x_k w_k|,
+far under the quantization's; tests/test_gpu.py bounds it.)
 448 is e4m3fn's largest finite value. e4m3 keeps 3 mantissa bits: in a binade [2^e, 2^(e+1)) the rounding error
 is uniform within half an ulp, 2^(e-4), so rms 2^(e-4) / sqrt(3); relative to values spread evenly over the
 binade (E[1/v^2] = 1/2 in units of 2^e) that is 2^-4 / sqrt(3) x sqrt(1/2) = 2.55 % rms. A product of two rounded
@@ -38,7 +41,12 @@ def check_fp8_device(device: torch.device) -> None:
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, fp32 scale per row of shape (rows, 1)) with t ~= values * scale, for a 2-D t."""
+    """(e4m3 values, fp32 scale per row of shape (rows, 1)) with t ~= values * scale, for a 2-D t.
+
+    The quotient t / scale is taken in fp32 with the fp32 scale that the GEMM multiplies back: a value whose exact
+    quotient t * 448 / amax lies on a midpoint between two e4m3 values (frequent for bf16 inputs, whose mantissas
+    have 8 bits) rounds by the fp32 quotient, not by ties-to-even on the exact one; either neighbour is within half
+    an e4m3 step, and values * scale is exactly what the GEMM computes with (tests/test_fp8_linear.py)."""
     scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX) / E4M3_MAX
     return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
