@@ -1,0 +1,146 @@
+"""perf/memory_estimate.py: the estimated peak against the peaks measured on H100 and H200 cards (the bench's JSON
+records under benchmarks/runs/, summarized in benchmarks/RESULTS.md), and the refusal of a run that cannot fit."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from imagerl.config import load_config
+from imagerl.perf.bench import GEOMETRY
+from imagerl.perf.memory_estimate import GIB, ModelDims, check_memory, estimate_memory, settings_that_fit
+
+RUNS = Path(__file__).resolve().parent.parent / "benchmarks" / "runs"
+TEXT_TOKENS = 48  # the bench's 43-token prompts, padded to a multiple of 8 under compile
+H100_BYTES = int(79.18 * GIB)  # torch.cuda.mem_get_info's total on the H100 80GB HBM3 of runs AF-AI
+
+FLOW = ["sample.guidance_scale=4.0"]
+NFT = ["train.algorithm=diffusion_nft", "sample.guidance_scale=1.0"]
+GC = ["model.gradient_checkpointing=true", "model.checkpoint_every=1"]
+NO_GC = ["model.gradient_checkpointing=false"]
+MERGED, UNMERGED = ["sample.merge_lora=true"], ["sample.merge_lora=false"]
+# (run, row name in its JSON, blocks, recipe, the row's effective settings then): every setting that moves memory
+# is spelled out, so a later change of a recipe does not change the row
+MEASURED = [
+    ("2026-12-03-I", "b8 merged", 60, "qwen_image_jpeg",
+     FLOW + MERGED + GC + ["sample.batch_size=8", "train.batch_size=8"]),
+    ("2026-12-03-I", "b16 t8 merged", 60, "qwen_image_jpeg",
+     FLOW + MERGED + GC + ["sample.batch_size=16", "train.batch_size=8"]),
+    ("2026-12-03-I", "b16 t8 merged ckpt2", 60, "qwen_image_jpeg",
+     FLOW + MERGED + ["model.gradient_checkpointing=true", "model.checkpoint_every=2", "sample.batch_size=16",
+                      "train.batch_size=8"]),
+    ("2026-12-04-P", "recipe", 60, "qwen_image_jpeg",
+     FLOW + MERGED + NO_GC + ["sample.batch_size=16", "train.batch_size=4"]),
+    ("2026-12-04-S", "flow_grpo recipe", 60, "qwen_image_jpeg",
+     FLOW + MERGED + NO_GC + ["sample.batch_size=16", "train.batch_size=4"]),
+    ("2026-12-04-S", "diffusion_nft recipe (rollout batch 16)", 60, "qwen_image_nft_ocr",
+     NFT + MERGED + NO_GC + ["sample.batch_size=16", "train.batch_size=4"]),
+    ("2026-12-04-S", "diffusion_nft, train 8 checkpoint every 2", 60, "qwen_image_nft_ocr",
+     NFT + MERGED + ["model.gradient_checkpointing=true", "model.checkpoint_every=2", "sample.batch_size=16",
+                     "train.batch_size=8"]),
+    ("2026-12-06-AE", "recipe", 30, "qwen_image_jpeg",
+     FLOW + MERGED + NO_GC + ["sample.batch_size=16", "train.batch_size=4"]),
+    ("2026-12-06-AE", "recipe, off-window FP8", 30, "qwen_image_jpeg",
+     FLOW + MERGED + NO_GC + ["sample.off_window_fp8=true", "sample.batch_size=16", "train.batch_size=4"]),
+    ("2026-12-06-AH", "80gb recipe (b8 unmerged, t4 ckpt)", 60, "qwen_image_jpeg",
+     FLOW + UNMERGED + GC + ["sample.batch_size=8", "train.batch_size=4"]),
+    ("2026-12-06-AI", "nft 80gb (b16 unmerged, t4 ckpt)", 60, "qwen_image_nft_ocr",
+     NFT + UNMERGED + GC + ["sample.batch_size=16", "train.batch_size=4"]),
+]
+
+
+@pytest.fixture(scope="module")
+def released_dims():
+    """ModelDims of the bench's released-size qwen_image (and of its 30-block depth_bench model), built on the meta
+    device: the real architectures' parameter counts, no memory."""
+    from imagerl.families.qwen_image import QwenImageFamily
+    from imagerl.perf.real_size import build_qwen_image
+
+    dims = {}
+    for blocks in (None, 30):
+        transformer, vae, text_encoder, _ = build_qwen_image(torch.device("meta"), ["a cat"], blocks=blocks)
+        dims[blocks or 60] = ModelDims.from_modules(transformer, text_encoder, vae, 64,
+                                                    QwenImageFamily.lora_target_modules, image_tokens=1024)
+    return dims
+
+
+def _measured_peak(run: str, row: str) -> float:
+    path = next((RUNS / run).rglob("bench_qwen_image.json"))
+    rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
+    return rows[row]["peak_gib"]
+
+
+def _config(recipe: str, settings: list[str]):
+    return load_config(recipe, GEOMETRY + settings)
+
+
+def test_released_dims_are_the_released_model(released_dims):
+    dims = released_dims[60]
+    assert dims.transformer_bytes / 2 == pytest.approx(20.43e9, rel=0.01)  # 20.43 B bf16 parameters (RESULTS.md)
+    assert dims.lora_params == pytest.approx(0.425e9, rel=0.01)  # r64 on the 12 targets
+    assert dims.merge_target_params == pytest.approx(13.6e9, rel=0.01)  # the merged copies: 27 GB in bf16
+    assert (dims.blocks, dims.hidden, dims.latent_values) == (60, 3072, 1024 * 64)
+
+
+@pytest.mark.parametrize("run, row, blocks, recipe, settings", MEASURED, ids=[f"{m[0]}:{m[1]}" for m in MEASURED])
+def test_estimate_is_within_10_percent_of_the_measured_peak(released_dims, run, row, blocks, recipe, settings):
+    measured = _measured_peak(run, row)
+    estimate = estimate_memory(_config(recipe, settings), released_dims[blocks], text_tokens=TEXT_TOKENS)
+    print(f"{run} {row}: estimated {estimate.gib():.1f} GiB, measured {measured:.1f} GiB")
+    assert estimate.gib() == pytest.approx(measured, rel=0.10)
+
+
+def test_what_ran_out_of_memory_on_an_h100_is_refused_there_and_what_fit_is_not(released_dims):
+    """Run AG: rollout batch 8 with the merged copies in FP8, training batch 4 with checkpointing: out of memory on
+    the H100 (76.4 GiB allocated when it failed); run AH, the same unmerged: 67.3 GiB."""
+    dims = released_dims[60]
+    settings = FLOW + GC + ["sample.batch_size=8", "train.batch_size=4"]
+    oom = estimate_memory(_config("qwen_image_jpeg", settings + MERGED + ["sample.off_window_fp8=true"]), dims,
+                          text_tokens=TEXT_TOKENS)
+    fit = estimate_memory(_config("qwen_image_jpeg", settings + UNMERGED), dims, text_tokens=TEXT_TOKENS)
+    assert oom.peak > H100_BYTES * 0.97 >= fit.peak
+
+
+def test_settings_that_fit_an_80gb_card_fit_it(released_dims):
+    cfg = _config("qwen_image_jpeg", [])  # the H200 recipe: 121 GiB
+    assert estimate_memory(cfg, released_dims[60]).peak > H100_BYTES
+    fits = settings_that_fit(cfg, released_dims[60], int(H100_BYTES * 0.97))
+    assert fits and all(e.peak <= H100_BYTES * 0.97 for _, e in fits)
+    print([" ".join(o) for o, _ in fits])
+
+
+def test_the_samples_kept_grow_with_the_group(released_dims):
+    """What the rollout keeps per sample (noise, the window's latents, images) is in the estimate."""
+    small = estimate_memory(_config("qwen_image_jpeg", ["sample.group_size=16"]), released_dims[60])
+    large = estimate_memory(_config("qwen_image_jpeg", ["sample.group_size=32"]), released_dims[60])
+    per_sample = (large.samples - small.samples) / 16  # the bench geometry: one prompt
+    # initial noise + 2 window steps in and out (float32 latents) + 2 float32 log-probs
+    assert per_sample == 1024 * 64 * 4 * (1 + 2 * 2) + 4 * 2
+    assert large.host - small.host == 16 * 3 * 512 * 512 * 4  # the float32 images on the CPU
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    from imagerl.components import load_adapter
+    from imagerl.distributed.parallel import World
+
+    world = World(0, 1, torch.device("cpu"))
+    return load_adapter(load_config("quickstart", ["model.device=cpu"]), world), world
+
+
+def test_a_group_too_large_for_this_machine_is_refused_before_it_allocates(quickstart):
+    adapter, world = quickstart
+    cfg = load_config("quickstart", ["model.device=cpu", "sample.group_size=200000"])
+    with pytest.raises(ValueError, match=r"estimated peak [\d.]+ GiB .*device has [\d.]+ GiB.*settings that fit: "
+                                         r"sample.group_size=(\d+)") as error:
+        check_memory(cfg, adapter, world)
+    # the suggestion fits: it passes the same check
+    group = int(error.value.args[0].split("sample.group_size=")[1].split()[0])
+    assert 2 <= group < 200000
+    check_memory(load_config("quickstart", ["model.device=cpu", f"sample.group_size={group}"]), adapter, world)
+
+
+def test_the_quickstart_fits(quickstart):
+    adapter, world = quickstart
+    check_memory(load_config("quickstart", ["model.device=cpu"]), adapter, world)
