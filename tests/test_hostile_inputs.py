@@ -75,3 +75,18 @@ def test_a_symbolic_link_among_the_checkpoints_is_named(tiny_checkpoint, tmp_pat
     with pytest.raises(ValueError, match=rf"{link} is a symbolic link .*move the link out of checkpoints/"):
         train(tiny_config(tiny_checkpoint, run_dir, *common, "train.num_rollouts=2"), resume="latest")
     assert elsewhere.is_dir() and link.is_symlink()  # neither followed nor removed
+
+
+def test_a_rollout_that_cannot_fit_in_memory_is_refused_before_it_allocates(tmp_path, capsys):
+    """The quickstart with 200000 samples per prompt would hold ~150 GiB of images and latents: refused by the memory
+    estimate (perf/memory_estimate.py) after the model loads and before the first rollout, in one line, leaving
+    nothing behind."""
+    from imagerl.cli import main
+
+    run_dir = tmp_path / "run"
+    start = time.perf_counter()
+    assert main(["train", "--output-dir", str(run_dir), "sample.group_size=200000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("imagerl: error: quickstart: the ") and "settings that fit: " in err[-1]
+    assert "does not fit" in err[-1] and time.perf_counter() - start < 60
+    assert not run_dir.exists()

@@ -21,6 +21,7 @@ from imagerl.distributed.parallel import init_world, resolve_device
 from imagerl.gc_freeze import GCFreeze
 from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
                              require_wandb, save_image_grid)
+from imagerl.perf.memory_estimate import check_memory
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
 from imagerl.run_lock import hold_run_dir
@@ -78,6 +79,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     adapter = load_adapter(cfg, world)  # LoRA added, activation checkpointing on
     resolve_family_defaults(cfg, adapter)
     apply_parallelism(adapter, cfg, world)  # compile, shard (FSDP2); before the optimizer sees the params
+    check_memory(cfg, adapter, world)  # a run that cannot fit is refused now, not out of memory after compiling
     if world.is_main:  # a resumed run keeps the original config.yaml and records its own beside it
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / ("config.yaml" if resume_from is None else f"config.resumed_{resume_from.name}.yaml"))

@@ -283,8 +283,9 @@ def check_memory(cfg, adapter, world) -> None:
         "sample.group_size) or more ranks"
     if estimate.peak > available:
         raise ValueError(f"{cfg.recipe}: the run does not fit: estimated peak {estimate.gib():.1f} GiB per rank "
-                         f"(rollout {estimate.gib(estimate.rollout):.1f}, training {estimate.gib(estimate.training):.1f}; "
-                         f"the samples kept {estimate.gib(estimate.samples):.1f}), device has {available / GIB:.1f} GiB "
+                         f"(rollout {estimate.gib(estimate.rollout):.1f}, training {estimate.gib(estimate.training):.1f}"
+                         + (f", + {estimate.gib(estimate.host):.1f} of decoded images" if estimate.device_is_host else "")
+                         + f"; the samples kept {estimate.gib(estimate.samples):.1f}), device has {available / GIB:.1f} GiB "
                          f"({where}); settings that fit: {suggestion}")
     raise ValueError(f"{cfg.recipe}: the rollout's images do not fit in CPU memory: estimated "
                      f"{estimate.gib(estimate.host):.1f} GiB, {host_available / GIB:.1f} GiB available; settings that "
