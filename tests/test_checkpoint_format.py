@@ -68,7 +68,8 @@ def _as_format_1(ckpt):
     import torch.distributed.checkpoint as dcp
 
     tree = read_trainer_state(ckpt / "trainer")
-    dcp.save({"model": tree["model"], "optim": tree["optim"], **tree.get("extra", {})},
+    extra = {"nft": {k: v for k, v in tree["extra"]["nft"].items() if k != "optimizer_steps"}}  # format 1 had no count
+    dcp.save({"model": tree["model"], "optim": tree["optim"], **extra},
              checkpoint_id=str(ckpt / "dcp"), no_dist=True)
     shutil.rmtree(ckpt / "trainer")
     state = json.loads((ckpt / "state.json").read_text())

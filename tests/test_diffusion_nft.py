@@ -258,3 +258,21 @@ def test_lora_export_is_the_ema_and_evaluation_uses_it(tiny_checkpoint, tmp_path
     # one rollout = 2 optimizer steps: EMA = lerp(lerp(p0, p1, 1 - 2/11), p2, 1 - 3/12), p0 = 0 for lora_B
     record = _records(tmp_path)[0]
     assert record["train/ema_decay"] == pytest.approx(3 / 12)
+
+
+def test_a_resume_that_changes_num_optimizer_steps_keeps_the_decay_clocks(tiny_checkpoint, tmp_path):
+    """The old-policy and EMA decays count optimizer steps; a resume with another train.num_optimizer_steps continues
+    the count (2 rollouts x 2 steps = 4, then 1 step: k = 5), where rollout x steps would say 3 and, with the old
+    policy still behind the policy, wrongly reuse the policy's velocity as the old one."""
+    from imagerl.algorithms.diffusion_nft import ema_decay, old_policy_decay
+
+    common = [*NFT, "run.checkpoint_every=1", "nft.old_decay_rate=0.1", "nft.old_decay_flat=3", "train.lr=1e-3"]
+    train(tiny_config(tiny_checkpoint, tmp_path, *common, "train.num_rollouts=2", "train.num_optimizer_steps=2"))
+    assert int(_saved_states(tmp_path, 2)["nft"]["optimizer_steps"]) == 4
+    train(tiny_config(tiny_checkpoint, tmp_path, *common, "train.num_rollouts=3", "train.num_optimizer_steps=1"),
+          resume="latest")
+    last = _records(tmp_path)[-1]
+    assert last["step"] == 3 and int(_saved_states(tmp_path, 3)["nft"]["optimizer_steps"]) == 5
+    assert last["train/old_decay"] == pytest.approx(old_policy_decay(5, 3, 0.1, 0.5))  # 0.2 (k = 3 would give 0)
+    assert last["train/ema_decay"] == pytest.approx(ema_decay(5, 0.9))
+    assert last["train/old_deviation"] > 0  # the old policy (decayed at k = 4) is not the policy: computed, not reused

@@ -164,6 +164,20 @@ def test_diffusion_nft_on_two_ranks_equals_one_process(tiny_checkpoint, tmp_path
     assert _max_diff(_lora(one, 2), _lora(one, 1)) > 1e-5  # the exported EMA moved by far more than the tolerance
 
 
+@pytest.mark.slow
+def test_diffusion_nft_shuffled_over_two_optimizer_steps_is_the_same_on_two_ranks(tiny_checkpoint, tmp_path):
+    """nft.shuffle (two optimizer steps a rollout): each step trains the same samples on 1 and on 2 ranks, so the
+    losses and the LoRA agree as without the shuffle."""
+    nft = ["train.algorithm=diffusion_nft", "nft.solver=euler", "nft.old_decay_rate=0.3", "train.num_optimizer_steps=2"]
+    one, two = tmp_path / "w1", tmp_path / "w2"
+    _run(1, tiny_checkpoint, one, *nft)
+    _run(2, tiny_checkpoint, two, *nft)
+    for a, b in zip(_records(one), _records(two)):
+        for key in [*EQUAL_KEYS, "train/loss", "train/policy_loss", "train/old_deviation", "train/grad_norm"]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), key
+    assert _max_diff(_lora(one, 2), _lora(two, 2)) < 1e-6
+
+
 def _exit_rank_main(rank: int, world_size: int, port: int, out) -> None:
     """torchrun's environment, init_world, one collective, then a return without destroying the group."""
     import atexit

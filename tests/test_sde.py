@@ -105,7 +105,8 @@ def test_log_prob_matches_float64_gaussian(sde_type, a, given):
     if given:  # an off-distribution point (2x the std, shifted) so the quadratic term matters
         torch.manual_seed(6)
         prev = (mean_ref + 2 * std_ref * torch.randn(x.shape, dtype=torch.float64) + 0.1).float()
-    out = flow_sde_step(x, v, sig, sig_next, noise_level=a, sigma_max=SIGMA_MAX, sde_type=sde_type, prev_sample=prev)
+    out = flow_sde_step(x, v, sig, sig_next, noise_level=a, sigma_max=SIGMA_MAX, sde_type=sde_type, prev_sample=prev,
+                        cps_log_prob="gaussian")
     if given:
         assert torch.equal(out.prev_sample, prev)
     lp_ref = ref_log_prob(out.prev_sample, mean_ref, std_ref)
@@ -116,6 +117,28 @@ def test_log_prob_matches_float64_gaussian(sde_type, a, given):
         assert torch.allclose(out.log_prob.double(), torch.full((2,), expected, dtype=torch.float64), atol=0.02)
 
 
+@pytest.mark.parametrize("step", [0, 4, 8])
+def test_cps_log_prob_is_flow_grpos_by_default(step):
+    """flow_grpo sd3_sde_with_logprob.py, sde_type == "cps": log_prob = -(prev_sample - prev_sample_mean)^2, averaged
+    over the non-batch dims (no variance, no constants), in float64 here."""
+    x, v = rand_xv(seed=11 + step)
+    sig, sig_next = SIGMAS[step], SIGMAS[step + 1]
+    mean_ref, std_ref, _ = ref_cps(x, v, sig, sig_next, 0.8)
+    torch.manual_seed(12)
+    prev = (mean_ref + 1.5 * std_ref * torch.randn(x.shape, dtype=torch.float64)).float()
+    out = flow_sde_step(x, v, sig, sig_next, noise_level=0.8, sigma_max=SIGMA_MAX, sde_type="cps", prev_sample=prev)
+    lp_ref = (-((prev.double() - mean_ref) ** 2)).flatten(1).mean(1)
+    assert torch.allclose(out.log_prob.double(), lp_ref, rtol=1e-6, atol=1e-9), (out.log_prob, lp_ref)
+    gaussian = flow_sde_step(x, v, sig, sig_next, noise_level=0.8, sigma_max=SIGMA_MAX, sde_type="cps",
+                             prev_sample=prev, cps_log_prob="gaussian").log_prob
+    # the two differ by the 1 / (2 std^2) scale and the constant: gaussian = flow_grpo / (2 std^2) - log std - c
+    expected = lp_ref / (2 * std_ref**2) - math.log(std_ref) - LOG_SQRT_2PI
+    assert torch.allclose(gaussian.double(), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="cps_log_prob must be"):
+        flow_sde_step(x, v, sig, sig_next, noise_level=0.8, sigma_max=SIGMA_MAX, sde_type="cps", prev_sample=prev,
+                      cps_log_prob="full")
+
+
 @pytest.mark.parametrize("sde_type,a", [("sde", 1.2), ("cps", 0.8)])
 def test_per_sample_sigma_tensors(sde_type, a):
     steps = [0, 3, 7]  # different step per batch element, including sigma == 1
@@ -123,7 +146,8 @@ def test_per_sample_sigma_tensors(sde_type, a):
     sig, sig_next = SIGMAS[steps], SIGMAS[[s + 1 for s in steps]]
     torch.manual_seed(8)
     prev = x + 0.3 * torch.randn_like(x)
-    out = flow_sde_step(x, v, sig, sig_next, noise_level=a, sigma_max=SIGMA_MAX, sde_type=sde_type, prev_sample=prev)
+    out = flow_sde_step(x, v, sig, sig_next, noise_level=a, sigma_max=SIGMA_MAX, sde_type=sde_type, prev_sample=prev,
+                        cps_log_prob="gaussian")
     assert out.log_prob.shape == (3,) and out.mean.shape == x.shape
     for b, s in enumerate(steps):
         args = (x[b : b + 1], v[b : b + 1], SIGMAS[s], SIGMAS[s + 1], a)
@@ -189,7 +213,7 @@ def test_log_prob_gradient_flows_to_velocity_only(sde_type, a, given):
     if given:
         assert prev.grad is None  # the target point is detached inside the log-prob
     # analytic float64 gradient with the target treated as a constant:
-    # d/dv mean_b[log N(y; m(v), s^2)] = (y - m) / s^2 * dm/dv / n
+    # d/dv mean_b[log N(y; m(v), s^2)] = (y - m) / s^2 * dm/dv / n (cps, flow_grpo's log-prob: 2 (y - m) dm/dv / n)
     if sde_type == "sde":
         m, s, s_dev = ref_sde(x, v0, sig, sig_next, a, SIGMA_MAX)
         dt = float(sig_next) - float(sig)
@@ -199,7 +223,8 @@ def test_log_prob_gradient_flows_to_velocity_only(sde_type, a, given):
         sn = float(sig_next)
         dm_dv = -(1 - sn) * float(sig) + math.sqrt(sn**2 - s**2) * (1 - float(sig))
     y = out.prev_sample.detach().double()
-    grad_ref = (y - m) / s**2 * dm_dv / x[0].numel()
+    # sde: the Gaussian's (y - m) / s^2; cps: flow_grpo's -(y - m)^2 differentiates to 2 (y - m)
+    grad_ref = (y - m) * (1 / s**2 if sde_type == "sde" else 2.0) * dm_dv / x[0].numel()
     assert v.grad is not None and float(v.grad.abs().max()) > 0
     assert torch.allclose(v.grad.double(), grad_ref, rtol=1e-4, atol=1e-7)
 
@@ -215,7 +240,7 @@ def test_explicit_noise_replaces_the_draw(sde_type, a):
     else:
         mean_ref, std_ref, _ = ref_cps(x, v, sig, sig_next, a)
     out = flow_sde_step(x, v, sig, sig_next, noise_level=a, sigma_max=SIGMA_MAX, sde_type=sde_type, noise=eps,
-                        generator=torch.Generator().manual_seed(0))
+                        generator=torch.Generator().manual_seed(0), cps_log_prob="gaussian")
     assert torch.allclose(out.prev_sample.double(), mean_ref + std_ref * eps.double(), rtol=1e-6, atol=1e-6)
     lp_ref = ref_log_prob(out.prev_sample, mean_ref, std_ref)
     assert torch.allclose(out.log_prob.double(), lp_ref, rtol=0, atol=1e-5)

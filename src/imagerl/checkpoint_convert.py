@@ -13,6 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from imagerl.checkpoint import _checksums, _swap_into_place, read_state, verify_files
 from imagerl.checkpoint_tensors import FORMAT, STRUCTURE, TENSORS, flatten, non_finite
 
@@ -32,6 +34,10 @@ def convert_checkpoint(path: Path) -> Path:
     loaded = _read_dcp(path / "dcp")
     tree = {k: loaded[k] for k in _TRAINER_KEYS if k in loaded}
     extra = {k: v for k, v in loaded.items() if k not in _TRAINER_KEYS}
+    if "nft" in extra and "optimizer_steps" not in extra["nft"]:  # format 2 counts DiffusionNFT's optimizer steps;
+        # format 1 derived them as rollouts x train.num_optimizer_steps, which is what they were
+        steps = state["step"] * state.get("config", {}).get("train", {}).get("num_optimizer_steps", 1)
+        extra["nft"] = {**extra["nft"], "optimizer_steps": torch.tensor(steps, dtype=torch.int64)}
     if extra:
         tree["extra"] = extra
     structure, tensors = flatten(tree)

@@ -84,11 +84,24 @@ class SampleConfig:
     max_sequence_length: int = 512
     noise_level: float = 1.2
     sde_type: str = "sde"
+    """"sde" (Flow-GRPO's marginal-preserving SDE) or "cps" (coefficients-preserving sampling, arXiv 2509.05952;
+    flow_grpo sde_type="cps"): sampling/sde.py."""
+    cps_log_prob: str = "flow_grpo"
+    """sde_type=cps only: "flow_grpo", its log-prob -(x_next - mean)^2 (the scale flow_grpo's cps clip ranges are
+    set for), or "gaussian", the full Gaussian log-density (a true density ratio; late steps weigh far more)."""
     num_sde_steps: int = 2
     """SDE (= trained) steps per trajectory; flow_grpo Qwen-Image: 2."""
     sde_window_range: list[int] = field(default_factory=lambda: [0, 5])
     sde_window_start: typing.Union[int, str] = 3
     """Int (fixed) or "random". 3 reproduces flow_grpo's effective Qwen-Image window {3, 4} (see sampling/window.py)."""
+    sde_window_schedule: str = "fixed"
+    """"fixed": every rollout's window starts at sde_window_start (an int, or "random": drawn per rollout); "sliding"
+    (MixGRPO, arXiv 2507.21802): the start moves by sde_window_stride steps every sde_window_period rollouts in
+    sde_window_direction, wrapping around inside sde_window_range (sampling/window.py)."""
+    sde_window_stride: int = 1
+    sde_window_period: int = 1
+    sde_window_direction: str = "forward"
+    """"forward": toward the clean end of sampling (MixGRPO's order), "backward": toward the noisy end."""
     prompts_per_rollout: int = 32
     """Unique prompts per rollout, over all ranks (flow_grpo: 32)."""
     group_size: int = 16
@@ -133,6 +146,10 @@ class TrainConfig:
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     clip_range: float = 1e-4
+    ratio: str = "standard"
+    """Flow-GRPO's importance ratio: "standard" exp(log p - log p_old), or "grpo_guard" (GRPO-Guard, arXiv
+    2510.22319: the ratio-mean bias and per-step rescaling, algorithms/flow_grpo.py; its clip_range is about 2e-6,
+    verl-omni docs/algo/grpo_guard.md). Needs sample.sde_type=sde."""
     adv_clip_max: float = 5.0
     beta: float = 0.0
     """KL weight against the LoRA-disabled reference policy (0: no reference forward)."""
@@ -177,6 +194,9 @@ class NFTConfig:
     """Evaluate and export (checkpoints' lora/) an EMA of the policy, decay min((1 + k) / (10 + k), ema_cap),
     updated every optimizer step; false: the policy itself."""
     ema_cap: float = 0.9
+    shuffle: bool = True
+    """With train.num_optimizer_steps > 1: shuffle the rollout's samples (seeded, stratified by group) before they
+    are split over the optimizer steps, as NVlabs' train_nft_sd3.py does; false: the first groups go to step 1."""
 
 
 @dataclass

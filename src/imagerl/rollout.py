@@ -52,6 +52,7 @@ class Rollout:
     images_B3HW: torch.Tensor
     window: SDEWindow
     batch_size: int
+    means_BSNC: torch.Tensor | None = None  # train.ratio=grpo_guard: the rollout policy's step means (float32)
 
     def __len__(self) -> int:
         return len(self.prompts_B)
@@ -158,7 +159,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
     # sample.merge_lora: the steps outside the window run on merged weights (families/merged_lora.py)
     off_window = MergedLora(adapter.transformer, s.off_window_fp8).applied if s.merge_lora else contextlib.nullcontext
-    traj_in, traj_out, log_probs, images = [], [], [], []
+    traj_in, traj_out, log_probs, images, means = [], [], [], [], []
+    keep_means = cfg.train.ratio == "grpo_guard"  # its ratio compares the policy's step mean with the rollout's
     for start in range(0, len(prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)
         n = len(prompts_B[batch])
@@ -172,7 +174,7 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         window_conds = [cond] if len(subs) == 1 and not s.kv_cache else [
             batch_conditioning(adapter, text_B[batch][sub], negative, s.guidance_scale) for sub in subs]
         x = plan.initial_noise_BNC[batch].to(adapter.device, torch.float32)
-        ins, outs, lps = [], [], []
+        ins, outs, lps, mus = [], [], [], []
         # (under grad only the velocity, detached, could build a graph: the step arithmetic needs no grad inputs)
         with _training_graph(adapter, cfg.parallel.compile):
             for i in range(s.num_steps):
@@ -182,11 +184,14 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
                     steps = [flow_sde_step(x[sub], adapter.velocity(x[sub], timesteps[i].expand(sub.stop - sub.start),
                                                                     c, h, w).detach(),
                                            sigmas[i], sigmas[i + 1], noise_level=s.noise_level, sigma_max=sigmas[1],
-                                           sde_type=s.sde_type, noise=noise[sub]) for sub, c in zip(subs, window_conds)]
+                                           sde_type=s.sde_type, noise=noise[sub], cps_log_prob=s.cps_log_prob)
+                             for sub, c in zip(subs, window_conds)]
                     ins.append(x)
                     x = torch.cat([out.prev_sample for out in steps])
                     outs.append(x)
                     lps.append(torch.cat([out.log_prob for out in steps]))
+                    if keep_means:
+                        mus.append(torch.cat([out.mean for out in steps]))
                 else:
                     with off_window():
                         v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w).detach()
@@ -194,6 +199,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))
         log_probs.append(staged(torch.stack(lps, 1)))
+        if keep_means:
+            means.append(staged(torch.stack(mus, 1)))
         images.append(_decode(adapter, plan, batch, x, cfg, on_batch))
         if progress is not None:
             progress.update(n)
@@ -204,7 +211,7 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
         text_B=text_B, negative=negative, latents_BSNC=torch.cat(traj_in), next_latents_BSNC=torch.cat(traj_out),
         log_probs_BS=torch.cat(log_probs), timesteps_S=timesteps[steps], sigmas_S=sigmas[steps],
         sigmas_next_S=sigmas[steps + 1], sigma_max=sigmas[1], images_B3HW=torch.cat(images), window=window,
-        batch_size=micro,
+        batch_size=micro, means_BSNC=torch.cat(means) if keep_means else None,
     )
 
 

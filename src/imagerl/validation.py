@@ -82,11 +82,27 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     else:  # the SDE window is Flow-GRPO's; DiffusionNFT samples by ODE
         if s.sde_type not in ("sde", "cps"):
             raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
+        if s.cps_log_prob not in ("flow_grpo", "gaussian"):
+            raise ValueError(f"sample.cps_log_prob must be 'flow_grpo' or 'gaussian', got {s.cps_log_prob!r}")
+        if t.ratio not in ("standard", "grpo_guard"):
+            raise ValueError(f"train.ratio must be 'standard' or 'grpo_guard', got {t.ratio!r}")
+        if t.ratio == "grpo_guard" and s.sde_type != "sde":
+            raise ValueError("train.ratio=grpo_guard scales the ratio by the sde step's sqrt(-dt) sigma_t: it needs "
+                             f"sample.sde_type=sde (got {s.sde_type})")
         if s.noise_level <= 0:
             raise ValueError(f"sample.noise_level must be > 0 for training (got {s.noise_level}); 0 is the ODE")
         if len(s.sde_window_range) != 2:
             raise ValueError(f"sample.sde_window_range must be [lo, hi], got {s.sde_window_range}")
         validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
+        if s.sde_window_schedule not in ("fixed", "sliding"):
+            raise ValueError(f"sample.sde_window_schedule must be 'fixed' or 'sliding', got {s.sde_window_schedule!r}")
+        if s.sde_window_schedule == "sliding":
+            if s.sde_window_stride < 1 or s.sde_window_period < 1:
+                raise ValueError(f"sample.sde_window_stride ({s.sde_window_stride}) and sample.sde_window_period "
+                                 f"({s.sde_window_period}) must be >= 1 with sample.sde_window_schedule=sliding")
+            if s.sde_window_direction not in ("forward", "backward"):
+                raise ValueError("sample.sde_window_direction must be 'forward' or 'backward', got "
+                                 f"{s.sde_window_direction!r}")
     for key, value in {"train.lr": t.lr, "train.clip_range": t.clip_range, "train.beta": t.beta,
                        "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm,
                        "train.adv_clip_max": t.adv_clip_max, "sample.noise_level": s.noise_level,

@@ -125,35 +125,61 @@ def forward_noise(seed: int, rollout_step: int, sample_ids: list[int], j: int, l
                       for sid in sample_ids]).to(like.device)
 
 
+def shuffled_batches(seed: int, rollout_step: int, sample_ids: list[int], group_size: int,
+                     batch_size: int) -> list[list[int]]:
+    """This rank's samples (local indices) in a seeded order, cut into training batches: NVlabs' train_nft_sd3.py
+    shuffles a rollout's samples before splitting them over the optimizer steps. Here each group's K samples get a
+    permutation keyed by (seed, rollout, group), and the samples are ordered by (position in their group's
+    permutation, group), so every optimizer step trains the same share of every group, and (K divisible by
+    train.num_optimizer_steps) the same samples on any number of ranks. Sample ids are g K + j (rollout.py)."""
+    position = {}
+    keys = []
+    for row, sid in enumerate(sample_ids):
+        group, j = divmod(sid, group_size)
+        if group not in position:
+            perm = torch.randperm(group_size, generator=make_generator(seed, "nft_order", rollout_step, group))
+            position[group] = torch.argsort(perm).tolist()  # where each of the group's samples landed
+        keys.append((position[group][j], group, row))
+    order = [row for *_, row in sorted(keys)]
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
 def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Tensor, optimizer, cfg: Config,
-                         world: World, states, rollout_step: int, progress=None) -> NFTStats:
+                         world: World, states, rollout_step: int, progress=None,
+                         steps_before: int | None = None) -> NFTStats:
     """One rollout's optimizer steps, then the old-policy refresh. `states` (LoraStates) holds "old" and, with
-    nft.ema, "ema". Returns the averaged statistics (all ranks)."""
+    nft.ema, "ema"; steps_before: optimizer steps of the earlier rollouts (the clock of both decays; default
+    rollout_step x train.num_optimizer_steps, right while that setting never changed). Returns the averaged
+    statistics (all ranks)."""
     t, n, s = cfg.train, cfg.nft, cfg.sample
     params = adapter.trainable_parameters()
-    batches = rollout.batches()
+    if n.shuffle and t.num_optimizer_steps > 1:  # with one step every sample is in it: nothing to shuffle
+        batches = shuffled_batches(cfg.run.seed, rollout_step, rollout.sample_ids_B, s.group_size, rollout.batch_size)
+    else:
+        batches = [list(range(b.start, b.stop)) for b in rollout.batches()]
     per_step = len(batches) // t.num_optimizer_steps
     steps_T = len(rollout.timesteps_T)
     num_trained = trained_timesteps(steps_T, n.timestep_fraction)
     micro = per_step * num_trained
     r_B = reward_probability(advantages_B.to(adapter.device, torch.float32), t.adv_clip_max)
     order_BT = timestep_order(cfg.run.seed, rollout_step, rollout.sample_ids_B, steps_T)
-    done_before = rollout_step * t.num_optimizer_steps  # optimizer steps of earlier rollouts (k counts them all)
+    done_before = rollout_step * t.num_optimizer_steps if steps_before is None else steps_before
     # the old policy is an exact copy of the policy until this update's first optimizer step when the last refresh
     # copied (decay 0) or there was none; derived from the schedule, so the same on every rank and after a resume
     def old_decay_at(k: int) -> float:
         return old_policy_decay(k, n.old_decay_flat, n.old_decay_rate, n.old_decay_cap)
 
-    old_is_policy = rollout_step == 0 or old_decay_at(done_before) == 0.0
+    old_is_policy = done_before == 0 or old_decay_at(done_before) == 0.0
     # loss, policy, ref, r, |v - v_old|, w+, w-, count: summed on the device, read once after the loop
     sums = torch.zeros(8, dtype=torch.float64, device=adapter.device)
     ema_decays = []
 
-    def train_batch(opt_step: int, batch: slice) -> None:
+    def train_batch(opt_step: int, rows: list[int]) -> None:
         nonlocal sums
-        cond = batch_conditioning(adapter, rollout.text_B[batch], None, 1.0)
+        batch = torch.tensor(rows)
+        cond = batch_conditioning(adapter, [rollout.text_B[i] for i in rows], None, 1.0)
         x0 = rollout.x0_BNC[batch].to(adapter.device)  # a copy from the CPU with train.timestep_staging
-        ids = rollout.sample_ids_B[batch]
+        ids = [rollout.sample_ids_B[i] for i in rows]
         for j in range(num_trained):
             idx = order_BT[batch, j].to(rollout.sigmas_T.device)
             sigma_B, timestep_B = rollout.sigmas_T[idx], rollout.timesteps_T[idx]
@@ -170,14 +196,15 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
             v = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
             if reuse:
                 v_old = v.detach()
-            terms = nft_loss(v, v_old, v_ref, x_t, x0, sigma_B.to(adapter.device), r_B[batch], n.beta,
+            terms = nft_loss(v, v_old, v_ref, x_t, x0, sigma_B.to(adapter.device), r_B[batch.to(r_B.device)], n.beta,
                              n.ref_weight, t.adv_clip_max, n.adaptive_weight_min)
             (terms.loss.mean() / micro).backward()
             with torch.no_grad():
                 k = terms.loss.numel()
                 dev = (v - v_old).abs().mean(dim=tuple(range(1, v.ndim))).double()
                 sums += torch.stack([terms.loss.detach().sum(), terms.policy.detach().sum(), terms.ref.sum(),
-                                     r_B[batch].double().sum(), dev.sum(), terms.w_pos.sum(), terms.w_neg.sum(),
+                                     r_B[batch.to(r_B.device)].double().sum(), dev.sum(), terms.w_pos.sum(),
+                                     terms.w_neg.sum(),
                                      sums.new_tensor(k)])
             if progress is not None:
                 progress.update(1)
@@ -214,6 +241,9 @@ class DiffusionNFT:
         self.cfg = cfg
         self.param_names = [name for name, p in adapter.transformer.named_parameters() if p.requires_grad]
         self.states = LoraStates(adapter.trainable_parameters(), ("old", "ema") if cfg.nft.ema else ("old",))
+        # optimizer steps so far, the clock of the old-policy and EMA decays: counted, not derived from the
+        # rollout (a resume may change train.num_optimizer_steps), and saved in checkpoints
+        self.optimizer_steps = torch.zeros((), dtype=torch.int64)
 
     def generate(self, adapter, groups, step: int, progress=None, on_batch=None) -> CleanRollout:
         from imagerl.rollout import generate_clean
@@ -224,8 +254,10 @@ class DiffusionNFT:
 
     def update(self, adapter, rollout: CleanRollout, advantages_B, optimizer, world: World, step: int,
                progress=None) -> NFTStats:
-        return diffusion_nft_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, self.states, step,
-                                    progress=progress)
+        stats = diffusion_nft_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, self.states, step,
+                                     progress=progress, steps_before=int(self.optimizer_steps))
+        self.optimizer_steps += self.cfg.train.num_optimizer_steps
+        return stats
 
     def forwards_per_update(self, batches_per_rank: int) -> int:
         return batches_per_rank * trained_timesteps(self.cfg.sample.num_steps, self.cfg.nft.timestep_fraction)
@@ -238,5 +270,5 @@ class DiffusionNFT:
         return self.states.swapped_in("ema") if self.cfg.nft.ema else contextlib.nullcontext()
 
     def checkpoint_state(self) -> dict:
-        """The old and EMA states by parameter name; torch.distributed.checkpoint loads into them in place."""
-        return {"nft": self.states.state_dict(self.param_names)}
+        """The old and EMA states by parameter name and the optimizer-step count; loaded into in place."""
+        return {"nft": {**self.states.state_dict(self.param_names), "optimizer_steps": self.optimizer_steps}}

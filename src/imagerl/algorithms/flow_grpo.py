@@ -39,6 +39,23 @@ def ppo_clip_loss(log_prob_B, old_log_prob_B, advantages_B, clip_range: float, a
     return torch.maximum(unclipped, clipped), ratio
 
 
+def grpo_guard_loss(log_prob_B, old_log_prob_B, mean_BNC, old_mean_BNC, std_dev_t, sqrt_neg_dt, advantages_B,
+                    clip_range: float, adv_clip_max: float):
+    """GRPO-Guard (arXiv 2510.22319, as verl-omni's compute_diffusion_loss_grpo_guard): per-sample clipped surrogate
+    (to minimise) and the ratio. With scale = sqrt(-dt) sigma_t, the transition's std,
+      b     = mean (mu - mu_old)^2 / (2 scale^2)               (the ratio-mean bias)
+      ratio = exp((log p - log p_old + b) scale)                = exp(mean((mu - mu_old) eps)) for sde log-probs
+      loss  = max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)) / (-dt)
+    so the ratio is centred whatever the step's noise, and every step's gradient has the same scale."""
+    adv = advantages_B.clamp(-adv_clip_max, adv_clip_max)
+    scale = sqrt_neg_dt * std_dev_t
+    dims = tuple(range(1, mean_BNC.ndim))
+    bias = ((mean_BNC - old_mean_BNC) ** 2).mean(dim=dims) / (2 * scale**2)
+    ratio = torch.exp((log_prob_B - old_log_prob_B + bias) * scale)
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range))
+    return surrogate / sqrt_neg_dt**2, ratio
+
+
 def kl_to_reference(mean_BNC, mean_ref_BNC, std_dev_t) -> torch.Tensor:
     """flow_grpo's KL estimate per sample: element-mean squared mean difference / (2 std_dev_t^2)."""
     sq = ((mean_BNC - mean_ref_BNC) ** 2).mean(dim=tuple(range(1, mean_BNC.ndim)))
@@ -68,7 +85,7 @@ def _step_log_prob(adapter, rollout: Rollout, batch: slice, j: int, cond, cfg: C
     x = rollout.latents_BSNC[batch, j].to(adapter.device)
     v = adapter.velocity(x, rollout.timesteps_S[j].expand(x.shape[0]), cond, s.height, s.width)
     return flow_sde_step(x, v, rollout.sigmas_S[j], rollout.sigmas_next_S[j], noise_level=s.noise_level,
-                         sigma_max=rollout.sigma_max, sde_type=s.sde_type,
+                         sigma_max=rollout.sigma_max, sde_type=s.sde_type, cps_log_prob=s.cps_log_prob,
                          prev_sample=rollout.next_latents_BSNC[batch, j].to(adapter.device))
 
 
@@ -130,7 +147,12 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
         for j in range(num_steps_window):
             out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
             old = rollout.log_probs_BS[batch, j].to(adapter.device)
-            policy_B, ratio = ppo_clip_loss(out.log_prob, old, advantages_B[batch], t.clip_range, t.adv_clip_max)
+            if t.ratio == "grpo_guard":
+                sqrt_neg_dt = (rollout.sigmas_S[j] - rollout.sigmas_next_S[j]).sqrt()
+                policy_B, ratio = grpo_guard_loss(out.log_prob, old, out.mean, rollout.means_BSNC[batch, j].to(
+                    adapter.device), out.std_dev_t, sqrt_neg_dt, advantages_B[batch], t.clip_range, t.adv_clip_max)
+            else:
+                policy_B, ratio = ppo_clip_loss(out.log_prob, old, advantages_B[batch], t.clip_range, t.adv_clip_max)
             kl_B = torch.zeros_like(policy_B)
             if t.beta > 0:
                 with torch.no_grad(), adapter.lora_disabled():
@@ -173,10 +195,13 @@ class FlowGRPO:
     def generate(self, adapter, groups, step: int, progress=None, on_batch=None) -> Rollout:
         from imagerl.rollout import generate
         from imagerl.sampling import sde_window
+        from imagerl.sampling.window import Sliding
 
         s = self.cfg.sample
+        sliding = Sliding(s.sde_window_stride, s.sde_window_period, 1 if s.sde_window_direction == "forward" else -1) \
+            if s.sde_window_schedule == "sliding" else None
         window = sde_window(s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start, seed=self.cfg.run.seed,
-                            rollout_step=step)
+                            rollout_step=step, sliding=sliding)
         return generate(adapter, groups, self.cfg, step, window, progress=progress, on_batch=on_batch)
 
     def update(self, adapter, rollout: Rollout, advantages_B, optimizer, world: World, step: int,

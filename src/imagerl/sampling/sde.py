@@ -10,11 +10,13 @@ predicts v = eps - x0, and sampling integrates sigma from 1 to 0, so dt = sigma_
 `cps` (coefficients-preserving sampling, flow_grpo sde_type="cps"):
   std_dev_t = sigma_next sin(a pi / 2);  x0_hat = x - sigma v;  x1_hat = x + (1 - sigma) v
   mean      = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std_dev_t^2) x1_hat;  x_next = mean + std_dev_t eps
-  Departure: flow_grpo's cps log-prob is -(x_next - mean)^2 without the variance and constants; here
-  both types use the full Gaussian log-density, so ratios are true density ratios.
+  log-prob (cps_log_prob): "flow_grpo" (default): -(x_next - mean)^2, flow_grpo's cps branch, without the
+  variance and constants, so that flow_grpo's cps clip ranges carry over; "gaussian": the full Gaussian
+  log-density, a true density ratio, which scales each step's log-ratio by 1 / (2 std_dev_t^2); std_dev_t =
+  sigma_next sin(a pi / 2) shrinks with sigma_next, so late steps' ratios dominate and clip ranges do not carry over.
 
-log_prob: Gaussian log-density of x_next, averaged (not summed) over all non-batch elements, the
-flow_grpo convention that PPO clip ranges such as 1e-4 are calibrated to. All math in float32.
+log_prob (sde; cps with "gaussian"): Gaussian log-density of x_next; either kind is averaged (not summed) over all
+non-batch elements, the flow_grpo convention that PPO clip ranges such as 1e-4 are calibrated to. All math in float32.
 At noise_level 0 the step is exactly the Euler step x + dt * v (bit for bit: the coefficients are
 exactly 1), no noise is drawn, and log_prob is NaN (the density is degenerate).
 """
@@ -66,6 +68,7 @@ def flow_sde_step(
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
+    cps_log_prob: str = "flow_grpo",
 ) -> SDEStepOutput:
     """Step from sigma to sigma_next; with `prev_sample` given, only evaluate its log-prob.
 
@@ -111,6 +114,11 @@ def flow_sde_step(
         prev_sample = mean + std * noise.to(x.device, torch.float32)
     else:
         prev_sample = prev_sample.float()
-    log_prob = -((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    if sde_type == "cps" and cps_log_prob == "flow_grpo":
+        log_prob = -((prev_sample.detach() - mean) ** 2)  # flow_grpo sd3_sde_with_logprob.py, sde_type == "cps"
+    elif sde_type == "sde" or cps_log_prob == "gaussian":
+        log_prob = -((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    else:
+        raise ValueError(f"cps_log_prob must be 'flow_grpo' or 'gaussian', got {cps_log_prob!r}")
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
     return SDEStepOutput(prev_sample, log_prob, mean, std, std_dev_t)

@@ -9,7 +9,12 @@ the Gaussian is too sharp there.
 flow_grpo's Qwen-Image recipe asks for size 2 in range (0, 5), i.e. a random start in [0, 3], but its
 pipeline calls `random.seed(0)` right before `random.randint(0, 3)`, which returns 3 every time, so
 the effective window is always steps {3, 4} (sigmas 0.7666, 0.6733 at 512^2 / 10 steps;
-reference/flow_grpo.md §3.4). Our default `sde_window_start = 3` reproduces that behaviour explicitly.
+flow_grpo's pipeline_with_logprob). Our default `sde_window_start = 3` reproduces that behaviour explicitly.
+
+`sample.sde_window_schedule = sliding` (MixGRPO, arXiv 2507.21802): the start moves over training, by `stride`
+steps every `period` rollouts, `forward` (toward the clean end) or `backward`, wrapping around inside the range;
+it begins at sde_window_start (or lo when that is "random"). The steps outside the window stay ODE steps that are
+never replayed, so the replay stays exact.
 """
 
 from __future__ import annotations
@@ -60,9 +65,25 @@ def validate_window(num_steps: int, num_sde_steps: int, window_range: tuple[int,
         )
 
 
-def sde_window(num_sde_steps: int, window_range: tuple[int, int], start, *, seed: int, rollout_step: int) -> SDEWindow:
-    """The window of one rollout; a random start depends only on (seed, rollout_step)."""
+@dataclass(frozen=True)
+class Sliding:
+    """MixGRPO's sliding window: `stride` steps every `period` rollouts, direction +1 (forward) or -1."""
+
+    stride: int
+    period: int
+    direction: int
+
+
+def sde_window(num_sde_steps: int, window_range: tuple[int, int], start, *, seed: int, rollout_step: int,
+               sliding: Sliding | None = None) -> SDEWindow:
+    """The window of one rollout; a random start depends only on (seed, rollout_step), a sliding one on the
+    rollout step only (the same on every rank and after a resume)."""
     lo, hi = window_range
+    if sliding is not None:
+        positions = hi - num_sde_steps - lo + 1  # starts that fit: lo .. hi - num_sde_steps
+        first = lo if start == "random" else int(start)
+        moved = sliding.direction * sliding.stride * (rollout_step // sliding.period)
+        return SDEWindow(lo + (first - lo + moved) % positions, num_sde_steps)
     if start == "random":
         gen = make_generator(seed, "sde_window", rollout_step)
         start = int(torch.randint(lo, hi - num_sde_steps + 1, (1,), generator=gen))

@@ -1,0 +1,129 @@
+"""Flow-GRPO's stabilisers and DiffusionNFT's sample shuffle: GRPO-Guard's ratio and loss against a float64
+transcription of the formula, the sliding window's positions, flow_grpo's cps log-prob in training, bit-exact resume
+with each option, and the shuffle's determinism and rank independence."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from imagerl.algorithms.diffusion_nft import shuffled_batches
+from imagerl.algorithms.flow_grpo import grpo_guard_loss
+from imagerl.checkpoint_tensors import read_trainer_state
+from imagerl.sampling import flow_sde_step, sde_window
+from imagerl.sampling.window import Sliding
+from imagerl.train import train
+
+
+def _guard_float64(log_prob, old_log_prob, mean, old_mean, std_dev_t, sqrt_dt, adv, clip, adv_max):
+    """verl-omni docs/algo/grpo_guard.md, written out per sample in float64 with Python floats."""
+    out_loss, out_ratio = [], []
+    for b in range(len(log_prob)):
+        a = min(max(float(adv[b]), -adv_max), adv_max)
+        scale = float(sqrt_dt) * float(std_dev_t)
+        diff = (mean[b].double() - old_mean[b].double()).flatten()
+        bias = float((diff * diff).mean()) / (2 * scale * scale)
+        ratio = math.exp((float(log_prob[b]) - float(old_log_prob[b]) + bias) * scale)
+        clipped = min(max(ratio, 1 - clip), 1 + clip)
+        out_loss.append(max(-a * ratio, -a * clipped) / float(sqrt_dt) ** 2)
+        out_ratio.append(ratio)
+    return torch.tensor(out_loss, dtype=torch.float64), torch.tensor(out_ratio, dtype=torch.float64)
+
+
+def test_grpo_guard_loss_is_the_published_formula():
+    g = torch.Generator().manual_seed(0)
+    B = 6
+    mean, old_mean = torch.randn(B, 16, 8, generator=g), torch.randn(B, 16, 8, generator=g)
+    old_mean = mean + 0.01 * old_mean  # a policy a little away from the rollout's
+    lp, old_lp = -torch.rand(B, generator=g), -torch.rand(B, generator=g)
+    adv = torch.tensor([-7.0, -1.0, -0.1, 0.3, 2.0, 6.0])  # both clips of A
+    std_dev_t, sqrt_dt = torch.tensor(2.175), torch.tensor(0.3055)
+    for clip in (2e-6, 1e-2, 0.5):
+        loss, ratio = grpo_guard_loss(lp.double(), old_lp.double(), mean.double(), old_mean.double(),
+                                      std_dev_t.double(), sqrt_dt.double(), adv.double(), clip, 5.0)
+        ref_loss, ref_ratio = _guard_float64(lp, old_lp, mean, old_mean, std_dev_t, sqrt_dt, adv, clip, 5.0)
+        assert torch.allclose(ratio, ref_ratio, rtol=1e-12, atol=0) and torch.allclose(loss, ref_loss, rtol=1e-12)
+
+
+def test_grpo_guard_ratio_is_the_mean_drift_along_the_noise():
+    """With sde log-probs of x_next = mu_old + std eps, the guarded ratio is exp(mean((mu - mu_old) eps)): the bias
+    cancels the drift's quadratic term and the scale removes the step's noise level (float64)."""
+    g = torch.Generator().manual_seed(1)
+    x, v_old = torch.randn(3, 64, 16, generator=g, dtype=torch.float64), torch.randn(3, 64, 16, generator=g,
+                                                                                   dtype=torch.float64)
+    v = v_old + 0.05 * torch.randn(3, 64, 16, generator=g, dtype=torch.float64)
+    sigma, sigma_next = 0.7666, 0.6733
+    old = flow_sde_step(x, v_old, sigma, sigma_next, noise_level=1.2, sigma_max=0.9, generator=g)
+    new = flow_sde_step(x, v, sigma, sigma_next, noise_level=1.2, sigma_max=0.9, prev_sample=old.prev_sample)
+    old_lp = flow_sde_step(x, v_old, sigma, sigma_next, noise_level=1.2, sigma_max=0.9,
+                           prev_sample=old.prev_sample).log_prob
+    sqrt_dt = torch.tensor(sigma - sigma_next).sqrt()
+    _, ratio = grpo_guard_loss(new.log_prob.double(), old_lp.double(), new.mean.double(), old.mean.double(),
+                               new.std_dev_t.double(), sqrt_dt.double(), torch.ones(3, dtype=torch.float64), 1.0, 5.0)
+    eps = (old.prev_sample.double() - old.mean.double()) / old.std.double()
+    expected = torch.exp(((new.mean.double() - old.mean.double()) * eps).flatten(1).mean(1))
+    assert torch.allclose(ratio, expected, rtol=1e-5), (ratio, expected)
+
+
+@pytest.mark.parametrize("stride,period,direction,start,expected", [
+    (1, 1, 1, 0, [0, 1, 2, 3, 0, 1, 2, 3]),          # forward one step a rollout, wrapping in [0, 3]
+    (2, 1, 1, 3, [3, 1, 3, 1, 3, 1, 3, 1]),          # stride 2 from 3: 3 -> 5 = 1 (mod 4)
+    (1, 3, 1, 0, [0, 0, 0, 1, 1, 1, 2, 2]),          # 3 rollouts at each position
+    (1, 2, -1, 3, [3, 3, 2, 2, 1, 1, 0, 0]),         # backward, toward the noisy end
+])
+def test_sliding_window_positions(stride, period, direction, start, expected):
+    sliding = Sliding(stride, period, direction)
+    starts = [sde_window(2, (0, 5), start, seed=0, rollout_step=k, sliding=sliding).start for k in range(8)]
+    assert starts == expected
+    assert sde_window(2, (0, 5), "random", seed=0, rollout_step=5, sliding=Sliding(1, 1, 1)).start == 1  # from lo
+
+
+COMMON = ["train.num_rollouts=2", "run.checkpoint_every=1", "run.keep_checkpoints=3", "train.num_optimizer_steps=2",
+          "train.lr=1e-3"]
+OPTIONS = {
+    "grpo_guard": ["train.ratio=grpo_guard", "train.clip_range=2e-6"],
+    "sliding": ["sample.sde_window_schedule=sliding", "sample.sde_window_start=0", "sample.sde_window_stride=2"],
+    "cps": ["sample.sde_type=cps", "sample.noise_level=0.8", "train.clip_range=1e-2"],
+    "nft_shuffle": ["train.algorithm=diffusion_nft", "nft.solver=euler", "sample.group_size=4",
+                    "sample.batch_size=2", "nft.old_decay_rate=0.3"],
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_each_option_trains_on_policy_and_resumes_bit_for_bit(tiny_checkpoint, tmp_path, option):
+    import json
+
+    overrides = [*COMMON, *OPTIONS[option]]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(tiny_config(tiny_checkpoint, straight, *overrides))
+    train(tiny_config(tiny_checkpoint, resumed, *overrides, "train.num_rollouts=1"))
+    train(tiny_config(tiny_checkpoint, resumed, *overrides), resume="latest")
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    if option != "nft_shuffle":
+        assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in records)  # the first step replays exactly
+    if option == "grpo_guard":  # 2 optimizer steps: the second one's ratio moved past GRPO-Guard's 2e-6 clip
+        assert records[-1]["train/clipfrac"] > 0
+    if option == "sliding":
+        assert [r["rollout/sde_window_start"] for r in records] == [0, 2]
+    a = read_trainer_state(straight / "checkpoints" / "step_000002" / "trainer")
+    b = read_trainer_state(resumed / "checkpoints" / "step_000002" / "trainer")
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_nft_shuffle_is_seeded_stratified_and_the_same_on_any_number_of_ranks():
+    K, groups, steps = 4, 6, 2
+    ids = list(range(groups * K))  # one process: every sample, in rollout order (group g's samples g K .. g K + K-1)
+    one = shuffled_batches(7, 3, ids, K, 2)  # 12 batches of 2: 6 per optimizer step
+    assert one == shuffled_batches(7, 3, ids, K, 2) and one != shuffled_batches(8, 3, ids, K, 2)
+    assert one != shuffled_batches(7, 4, ids, K, 2)
+    assert sorted(r for b in one for r in b) == ids
+    per_step = len(one) // steps
+    first = {ids[r] for b in one[:per_step] for r in b}
+    assert all(sum(1 for s in first if s // K == g) == K // steps for g in range(groups))  # half of every group
+    # two ranks, each with 3 complete groups (6 batches, 3 per step): together their first optimizer step trains the same samples
+    halves = [ids[:12], ids[12:]]
+    two = [shuffled_batches(7, 3, h, K, 2) for h in halves]
+    first_two = {h[r] for h, batches in zip(halves, two) for b in batches[:len(batches) // steps] for r in b}
+    assert first_two == first
