@@ -85,6 +85,7 @@ OPTIONS = {
     "grpo_guard": ["train.ratio=grpo_guard", "train.clip_range=2e-6"],
     "sliding": ["sample.sde_window_schedule=sliding", "sample.sde_window_start=0", "sample.sde_window_stride=2"],
     "cps": ["sample.sde_type=cps", "sample.noise_level=0.8", "train.clip_range=1e-2"],
+    "ema": ["train.ema=true"],
     "nft_shuffle": ["train.algorithm=diffusion_nft", "nft.solver=euler", "sample.group_size=4",
                     "sample.batch_size=2", "nft.old_decay_rate=0.3"],
 }
@@ -127,3 +128,23 @@ def test_nft_shuffle_is_seeded_stratified_and_the_same_on_any_number_of_ranks():
     two = [shuffled_batches(7, 3, h, K, 2) for h in halves]
     first_two = {h[r] for h, batches in zip(halves, two) for b in batches[:len(batches) // steps] for r in b}
     assert first_two == first
+
+
+def test_flow_grpo_ema_is_what_evaluation_and_exports_use(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    from imagerl.algorithms.diffusion_nft import ema_decay
+
+    train(tiny_config(tiny_checkpoint, tmp_path, *COMMON, "train.ema=true", "train.num_rollouts=1"))
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    saved = read_trainer_state(ckpt / "trainer")
+    ema, policy = saved["extra"]["flow_grpo"]["ema"], saved["model"]
+    assert int(saved["extra"]["flow_grpo"]["optimizer_steps"]) == 2
+    exported = load_file(ckpt / "lora" / "adapter_model.safetensors")
+    key = next(k for k in policy if "lora_B" in k and policy[k].abs().max() > 0)
+    assert torch.equal(exported["base_model.model." + key.replace(".default.", ".")], ema[key])
+    assert not torch.equal(ema[key], policy[key])
+    import json
+
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["train/ema_decay"] == ema_decay(2, 0.9) == 3 / 12  # flow_grpo's (1 + k) / (10 + k) at k = 2

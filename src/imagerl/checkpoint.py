@@ -362,7 +362,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 # settings a resumed run cannot change: the LoRA's shape, the algorithm's state, the random streams, the groups
-FIXED_ON_RESUME = ("train.algorithm", "run.seed", "model.path", "model.family", "model.lora_rank", "model.lora_alpha",
+FIXED_ON_RESUME = ("train.algorithm", "train.ema", "run.seed", "model.path", "model.family", "model.lora_rank", "model.lora_alpha",
                    "model.lora_init", "model.lora_target_modules", "sample.prompts_per_rollout", "sample.group_size")
 
 

@@ -164,6 +164,11 @@ class TrainConfig:
     """Keep the rollout's trajectory (window latents, old log-probs) on the CPU and copy each micro-batch's step
     inputs to the GPU just before their forward (verl-omni's enable_timestep_staging): device memory for
     host-to-device copies. Exact either way (fp32 copies)."""
+    ema: bool = False
+    """Flow-GRPO: evaluate and export (checkpoints' lora/) an EMA of the policy, updated every optimizer step with
+    decay min((1 + k) / (10 + k), train.ema_cap) (flow_grpo's train.ema, EMAModuleWrapper; DiffusionNFT has its own:
+    nft.ema). Training and rollouts use the policy."""
+    ema_cap: float = 0.9
     global_std: bool = True
     """Advantage std over the whole rollout (True, flow_grpo Qwen-Image) or per group."""
 

@@ -84,6 +84,8 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
         if s.cps_log_prob not in ("flow_grpo", "gaussian"):
             raise ValueError(f"sample.cps_log_prob must be 'flow_grpo' or 'gaussian', got {s.cps_log_prob!r}")
+        if t.ema and not 0 <= t.ema_cap < 1:
+            raise ValueError(f"train.ema_cap must be in [0, 1) (a decay of 1 never moves), got {t.ema_cap}")
         if t.ratio not in ("standard", "grpo_guard"):
             raise ValueError(f"train.ratio must be 'standard' or 'grpo_guard', got {t.ratio!r}")
         if t.ratio == "grpo_guard" and s.sde_type != "sde":

@@ -73,6 +73,7 @@ class TrainStats:
     log_prob_mean_abs_diff: float
     grad_norm: float
     num_optimizer_steps: int
+    ema_decay: float = math.nan  # train.ema: the EMA's last decay
 
     def as_metrics(self) -> dict[str, float]:
         return {f"train/{k}": v for k, v in self.__dict__.items()}
@@ -129,7 +130,7 @@ def run_optimizer_steps(adapter, optimizer, world: World, params, batches: list,
 
 
 def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, optimizer: torch.optim.Optimizer,
-                     cfg: Config, world: World, progress=None) -> TrainStats:
+                     cfg: Config, world: World, progress=None, after_step=None) -> TrainStats:
     t = cfg.train
     params = adapter.trainable_parameters()
     batches = rollout.batches()
@@ -172,7 +173,7 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
                 progress.update(1)
 
     grad_norms = run_optimizer_steps(adapter, optimizer, world, params, batches, t.num_optimizer_steps,
-                                     t.max_grad_norm, train_batch)
+                                     t.max_grad_norm, train_batch, after_step)
 
     totals = world.all_reduce_mean_(sums.to(world.device)).cpu()  # equal counts per rank: mean of sums is fine
     count = totals[6].item()
@@ -191,6 +192,13 @@ class FlowGRPO:
 
     def __init__(self, cfg: Config, adapter):
         self.cfg = cfg
+        self.ema = None
+        if cfg.train.ema:  # flow_grpo's train.ema (EMAModuleWrapper): evaluation and exports use an EMA of the policy
+            from imagerl.algorithms.lora_states import LoraStates
+
+            self.param_names = [name for name, p in adapter.transformer.named_parameters() if p.requires_grad]
+            self.ema = LoraStates(adapter.trainable_parameters(), ("ema",))
+        self.optimizer_steps = torch.zeros((), dtype=torch.int64)  # the EMA's clock, saved with it
 
     def generate(self, adapter, groups, step: int, progress=None, on_batch=None) -> Rollout:
         from imagerl.rollout import generate
@@ -206,7 +214,22 @@ class FlowGRPO:
 
     def update(self, adapter, rollout: Rollout, advantages_B, optimizer, world: World, step: int,
                progress=None) -> TrainStats:
-        return flow_grpo_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, progress=progress)
+        after_step, decays = None, []
+        if self.ema is not None:
+            from imagerl.algorithms.diffusion_nft import ema_decay
+
+            done = int(self.optimizer_steps)
+
+            def after_step(opt_step: int) -> None:
+                decays.append(ema_decay(done + opt_step + 1, self.cfg.train.ema_cap))
+                self.ema.blend_toward_policy("ema", decays[-1])
+
+        stats = flow_grpo_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, progress=progress,
+                                 after_step=after_step)
+        self.optimizer_steps += self.cfg.train.num_optimizer_steps
+        if decays:
+            stats.ema_decay = decays[-1]
+        return stats
 
     def forwards_per_update(self, batches_per_rank: int) -> int:
         return batches_per_rank * self.cfg.sample.num_sde_steps
@@ -215,9 +238,11 @@ class FlowGRPO:
         return {"rollout/sde_window_start": rollout.window.start}
 
     def evaluation_weights(self):
-        """The weights evaluation and exports use: the policy's."""
-        return contextlib.nullcontext()
+        """The weights evaluation and exports use: the EMA (train.ema), else the policy's."""
+        return self.ema.swapped_in("ema") if self.ema is not None else contextlib.nullcontext()
 
     def checkpoint_state(self) -> dict:
-        """Tensors beside the LoRA and optimizer in a checkpoint (none)."""
-        return {}
+        """Tensors beside the LoRA and optimizer in a checkpoint: the EMA and its clock (train.ema), else none."""
+        if self.ema is None:
+            return {}
+        return {"flow_grpo": {**self.ema.state_dict(self.param_names), "optimizer_steps": self.optimizer_steps}}
