@@ -2,7 +2,7 @@
 
     python benchmarks/quickstart_sweep.py OUT "name:override override ..." [...] [--seeds 42 1 2] [--rollouts 60]
 
-Each variant runs `imagerl train` (the quickstart model and data; evaluation every 20 rollouts on the 125 held-out
+Each variant runs `imagerl train --recipe R` (default: quickstart; the quickstart model and data; evaluation every 20 rollouts on the 125 held-out
 captions x 4 images) for every seed, and a table of the held-out reward at rollouts 0/20/40/60 with the gain and the
 wall time is printed and written to OUT/table.md (the runs stay in OUT/<name>_s<seed>/).
 """
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", help='"name:section.key=value section.key=value"')
     parser.add_argument("--seeds", nargs="+", type=int, default=[42, 1, 2])
     parser.add_argument("--rollouts", type=int, default=60)
+    parser.add_argument("--recipe", default="quickstart", help="the recipe the overrides apply to")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -39,7 +40,8 @@ def main() -> None:
         name, _, overrides = variant.partition(":")
         for seed in args.seeds:
             run = out / f"{name}_s{seed}"
-            cmd = [sys.executable, "-m", "imagerl", "train", "--output-dir", str(run), "--overwrite",
+            cmd = [sys.executable, "-m", "imagerl", "train", "--recipe", args.recipe, "--output-dir", str(run),
+                   "--overwrite",
                    f"run.seed={seed}", f"train.num_rollouts={args.rollouts}", "eval.interval=20",
                    "run.image_grid_every=0", "run.tensorboard=false", *overrides.split()]
             start = time.perf_counter()
