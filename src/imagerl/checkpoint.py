@@ -350,9 +350,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     import warnings
 
     recover_interrupted(run_dir)
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*")
-                  if not p.name.endswith((".tmp", ".old")) and (p / "state.json").is_file())
-    for p in reversed(done):
+    for p in reversed(_complete(run_dir)):
         try:
             read_state(p)
             return p
@@ -362,8 +360,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 # settings a resumed run cannot change: the LoRA's shape, the algorithm's state, the random streams, the groups
-FIXED_ON_RESUME = ("train.algorithm", "train.ema", "run.seed", "model.path", "model.family", "model.lora_rank", "model.lora_alpha",
-                   "model.lora_init", "model.lora_target_modules", "sample.prompts_per_rollout", "sample.group_size")
+FIXED_ON_RESUME = ("train.algorithm", "train.ema", "run.seed", "model.path", "model.family", "model.lora_rank",
+                   "model.lora_alpha", "model.lora_init", "model.lora_target_modules", "sample.prompts_per_rollout",
+                   "sample.group_size")
 
 
 def _flat(config: dict, prefix: str = "") -> dict:

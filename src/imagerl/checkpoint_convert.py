@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from imagerl.checkpoint import _checksums, _swap_into_place, read_state, verify_files
-from imagerl.checkpoint_tensors import FORMAT, STRUCTURE, TENSORS, flatten, non_finite
+from imagerl.checkpoint_tensors import FORMAT, flatten, non_finite, write_trainer_files
 
 # format 1 stored the algorithm's tensors beside "model" and "optim" at the top of the DCP state
 _TRAINER_KEYS = ("model", "optim")
@@ -45,15 +45,11 @@ def convert_checkpoint(path: Path) -> Path:
     if bad:
         raise ValueError(f"{path}: {bad[0]} is not finite (NaN or inf); not converting it")
 
-    from safetensors.torch import save_file
-
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(path, tmp, symlinks=True, ignore=shutil.ignore_patterns("dcp", "state.json"))
-    (tmp / "trainer").mkdir()
-    save_file({k: t.contiguous().clone() for k, t in tensors.items()}, tmp / "trainer" / TENSORS)
-    (tmp / "trainer" / STRUCTURE).write_text(json.dumps({"format": FORMAT, "state": structure}, indent=1))
+    write_trainer_files(tmp / "trainer", structure, tensors)
     state = {**state, "format": FORMAT, "sha256": _checksums(tmp)}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     _swap_into_place(tmp, path)

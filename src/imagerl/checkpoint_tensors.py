@@ -99,9 +99,14 @@ def save_trainer_state(directory: Path, module, optimizer, extra: dict | None, w
         raise NonFiniteStateError(f"{bad[0] if bad else 'a tensor'} is not finite (NaN or inf)"
                                   + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     if world.is_main:
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: t.contiguous().clone() for k, t in tensors.items()}, directory / TENSORS)
-        (directory / STRUCTURE).write_text(json.dumps({"format": FORMAT, "state": structure}, indent=1))
+        write_trainer_files(directory, structure, tensors)
+
+
+def write_trainer_files(directory: Path, structure, tensors: dict[str, torch.Tensor]) -> None:
+    """trainer/: the tensors (safetensors) and the structure that places them (JSON), as flatten() gives them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: t.contiguous().clone() for k, t in tensors.items()}, directory / TENSORS)
+    (directory / STRUCTURE).write_text(json.dumps({"format": FORMAT, "state": structure}, indent=1))
 
 
 def read_trainer_state(directory: Path) -> dict:

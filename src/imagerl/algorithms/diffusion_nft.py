@@ -180,6 +180,7 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
         cond = batch_conditioning(adapter, [rollout.text_B[i] for i in rows], None, 1.0)
         x0 = rollout.x0_BNC[batch].to(adapter.device)  # a copy from the CPU with train.timestep_staging
         ids = [rollout.sample_ids_B[i] for i in rows]
+        r_batch = r_B[batch.to(r_B.device)]
         for j in range(num_trained):
             idx = order_BT[batch, j].to(rollout.sigmas_T.device)
             sigma_B, timestep_B = rollout.sigmas_T[idx], rollout.timesteps_T[idx]
@@ -196,15 +197,14 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
             v = adapter.velocity(x_t, timestep_B, cond, s.height, s.width)
             if reuse:
                 v_old = v.detach()
-            terms = nft_loss(v, v_old, v_ref, x_t, x0, sigma_B.to(adapter.device), r_B[batch.to(r_B.device)], n.beta,
+            terms = nft_loss(v, v_old, v_ref, x_t, x0, sigma_B.to(adapter.device), r_batch, n.beta,
                              n.ref_weight, t.adv_clip_max, n.adaptive_weight_min)
             (terms.loss.mean() / micro).backward()
             with torch.no_grad():
                 k = terms.loss.numel()
                 dev = (v - v_old).abs().mean(dim=tuple(range(1, v.ndim))).double()
                 sums += torch.stack([terms.loss.detach().sum(), terms.policy.detach().sum(), terms.ref.sum(),
-                                     r_B[batch.to(r_B.device)].double().sum(), dev.sum(), terms.w_pos.sum(),
-                                     terms.w_neg.sum(),
+                                     r_batch.double().sum(), dev.sum(), terms.w_pos.sum(), terms.w_neg.sum(),
                                      sums.new_tensor(k)])
             if progress is not None:
                 progress.update(1)
