@@ -1,6 +1,6 @@
 """Flow-GRPO's stabilisers and DiffusionNFT's sample shuffle: GRPO-Guard's ratio and loss against a float64
 transcription of the formula, the sliding window's positions, flow_grpo's cps log-prob in training, bit-exact resume
-with each option, and the shuffle's determinism and rank independence."""
+with each option, MixGRPO-Flash's off-window steps, and the shuffle's determinism and rank independence."""
 
 import math
 
@@ -11,8 +11,8 @@ from conftest import tiny_config
 from imagerl.algorithms.diffusion_nft import shuffled_batches
 from imagerl.algorithms.flow_grpo import grpo_guard_loss
 from imagerl.checkpoint_tensors import read_trainer_state
-from imagerl.sampling import flow_sde_step, sde_window
-from imagerl.sampling.window import Sliding
+from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps, sde_window
+from imagerl.sampling.window import Sliding, step_grid
 from imagerl.train import train
 
 
@@ -86,6 +86,7 @@ OPTIONS = {
     "sliding": ["sample.sde_window_schedule=sliding", "sample.sde_window_start=0", "sample.sde_window_stride=2"],
     "cps": ["sample.sde_type=cps", "sample.noise_level=0.8", "train.clip_range=1e-2"],
     "ema": ["train.ema=true"],
+    "flash": ["sample.off_window_solver=dpm2", "sample.post_window_steps=2"],
     "nft_shuffle": ["train.algorithm=diffusion_nft", "nft.solver=euler", "sample.group_size=4",
                     "sample.batch_size=2", "nft.old_decay_rate=0.3"],
 }
@@ -148,3 +149,53 @@ def test_flow_grpo_ema_is_what_evaluation_and_exports_use(tiny_checkpoint, tmp_p
 
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["train/ema_decay"] == ema_decay(2, 0.9) == 3 / 12  # flow_grpo's (1 + k) / (10 + k) at k = 2
+
+
+@pytest.mark.parametrize("post_window_steps,expected", [
+    (None, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), (5, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
+    (2, [0, 1, 2, 3, 4, 5, 7, 10]),  # MixGRPO-Flash's ratio 0.4: 5 steps after the window -> 2
+    (1, [0, 1, 2, 3, 4, 5, 10]), (9, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),  # never more than the schedule's
+])
+def test_post_window_grid_keeps_the_window_and_ends_at_the_terminal_sigma(post_window_steps, expected):
+    assert step_grid(10, SDEWindow(3, 2), post_window_steps) == expected
+    assert step_grid(10, SDEWindow(0, 2), 3) == [0, 1, 2, 5, 7, 10]
+
+
+def test_mixgrpo_flash_solves_the_ode_steps_with_dpm2_on_the_compressed_grid(tiny_checkpoint, tmp_path):
+    """The rollout's off-window steps are DPM-Solver++(2M) (ode_step) on step_grid's points: replayed here from the
+    initial noise to the window's first input, and from the window's last output to the decoded images."""
+    from imagerl.components import load_adapter, resolve_family_defaults
+    from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+    from imagerl.distributed.parallel import World, resolve_device
+    from imagerl.rollout import generate
+    from imagerl.sampling.ode import ODESolverState, ode_step
+
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.off_window_solver=dpm2", "sample.post_window_steps=2")
+    s = cfg.sample
+    adapter = load_adapter(cfg, World(0, 1, resolve_device("cpu")))
+    resolve_family_defaults(cfg, adapter)
+    groups = GroupSampler(load_prompt_set(bundled_prompt_file()), s.prompts_per_rollout, 0).groups_for(0)
+    window = SDEWindow(3, 2)
+    noise = torch.cat([adapter.initial_noise([torch.Generator().manual_seed(i)], s.height, s.width) for i in range(4)])
+    rollout = generate(adapter, groups, cfg, 0, window, initial_noise_BNC=noise)
+    sigmas = adapter.sigmas(s.num_steps, s.height, s.width)
+    grid = step_grid(s.num_steps, window, s.post_window_steps)
+    timesteps = flow_timesteps(sigmas, adapter.scheduler_config)
+    with torch.no_grad():
+        for batch in rollout.batches():
+            cond = rollout.conditioning(adapter, batch, s.guidance_scale)
+
+            def solve(solver, x, steps):
+                state = ODESolverState()
+                for i in steps:
+                    v = adapter.velocity(x, timesteps[grid[i]].expand(x.shape[0]), cond, s.height, s.width)
+                    x = ode_step(solver, x, v, sigmas[grid], i, state)
+                return x
+
+            pre = range(window.start)
+            assert torch.equal(solve("dpm2", noise[batch], pre), rollout.latents_BSNC[batch, 0])
+            assert not torch.equal(solve("euler", noise[batch], pre), rollout.latents_BSNC[batch, 0])
+            post = range(window.start + window.size, len(grid) - 1)
+            assert len(post) == 2
+            x0 = solve("dpm2", rollout.next_latents_BSNC[batch, -1], post)
+            assert torch.equal(adapter.decode(x0, s.height, s.width).cpu(), rollout.images_B3HW[batch])

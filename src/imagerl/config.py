@@ -41,8 +41,16 @@ class ModelConfig:
     checkpoint_every: int = 1
     """With gradient_checkpointing: checkpoint every k-th transformer block (1: all, flow_grpo; 2: every other
     block keeps its activations, half the recompute for more memory)."""
+    checkpoint_blocks: int = 0
+    """With gradient_checkpointing: checkpoint only the first n of the blocks checkpoint_every selects; the blocks
+    after them keep their activations (less recompute, about 0.9 GiB per block and training batch of 4 at 512 px
+    for qwen_image with CFG). 0: all of them."""
     prompt_cache_size: int = 4096
     """Prompt embeddings kept (LRU) across rollouts; one text-encoder pass per unique prompt."""
+    text_encoder_offload: bool = False
+    """Keep the text encoder's weights in (pinned) CPU memory and copy them to the device only while prompts the
+    cache lacks are encoded (families/base.py offload_text_encoder): the same embeddings bit for bit, and its device
+    memory (qwen_image: 14 GiB) free for the rest of the run, for one copy per rollout with new prompts (~0.6 s)."""
     vae_dtype: str = "float32"
     """VAE decode (and encode) dtype: "float32" (flow_grpo, the pipeline's output path) or "bfloat16" (faster;
     the images, and so the rewards, differ slightly: benchmarks/RESULTS.md measures by how much)."""
@@ -102,6 +110,14 @@ class SampleConfig:
     sde_window_period: int = 1
     sde_window_direction: str = "forward"
     """"forward": toward the clean end of sampling (MixGRPO's order), "backward": toward the noisy end."""
+    off_window_solver: str = "euler"
+    """The ODE steps outside the SDE window: "euler" (flow_grpo's, the family pipeline's) or "dpm2", DPM-Solver++(2M)
+    (MixGRPO-Flash, arXiv 2507.21802; sampling/ode.py), restarting at first order after the window. These steps are
+    never replayed, so the replay stays exact either way."""
+    post_window_steps: typing.Optional[int] = None
+    """Steps after the SDE window: null keeps the schedule's; n compresses them to n steps over a subset of the
+    schedule's own sigmas, evenly spaced by index, ending at 0 (MixGRPO-Flash's dpm_post_compress_ratio 0.4: 5
+    steps -> 2). Fewer forwards per rollout; pair it with off_window_solver=dpm2, which loses less per step."""
     prompts_per_rollout: int = 32
     """Unique prompts per rollout, over all ranks (flow_grpo: 32)."""
     group_size: int = 16

@@ -21,6 +21,7 @@ from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
 from imagerl.families.merged_lora import MergedLora
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
+from imagerl.sampling.window import step_grid
 from imagerl.sampling.ode import ODESolverState, ode_step
 from imagerl.validation import training_batch_size
 
@@ -159,6 +160,9 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
     # sample.merge_lora: the steps outside the window run on merged weights (families/merged_lora.py)
     off_window = MergedLora(adapter.transformer, s.off_window_fp8).applied if s.merge_lora else contextlib.nullcontext
+    # sample.post_window_steps: the steps after the window may visit fewer of the schedule's points (MixGRPO-Flash)
+    grid = step_grid(s.num_steps, window, s.post_window_steps)
+    grid_sigmas, grid_timesteps = sigmas[grid], timesteps[grid[:-1]]
     traj_in, traj_out, log_probs, images, means = [], [], [], [], []
     keep_means = cfg.train.ratio == "grpo_guard"  # its ratio compares the policy's step mean with the rollout's
     for start in range(0, len(prompts_B), s.batch_size):
@@ -175,9 +179,10 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
             batch_conditioning(adapter, text_B[batch][sub], negative, s.guidance_scale) for sub in subs]
         x = plan.initial_noise_BNC[batch].to(adapter.device, torch.float32)
         ins, outs, lps, mus = [], [], [], []
+        ode_state = ODESolverState()  # sample.off_window_solver=dpm2: restarts at first order after the window
         # (under grad only the velocity, detached, could build a graph: the step arithmetic needs no grad inputs)
         with _training_graph(adapter, cfg.parallel.compile):
-            for i in range(s.num_steps):
+            for i in range(len(grid_sigmas) - 1):  # i < the window's end: the schedule's own step i
                 if i in window:
                     noise = torch.cat(_noise(seed, "sde_noise", rollout_step, sample_ids_B[batch],
                                              lambda g: torch.randn((1, *x.shape[1:]), generator=g), i))
@@ -194,8 +199,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
                         mus.append(torch.cat([out.mean for out in steps]))
                 else:
                     with off_window():
-                        v = adapter.velocity(x, timesteps[i].expand(n), cond, h, w).detach()
-                    x = flow_sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=0.0, sigma_max=sigmas[1]).prev_sample
+                        v = adapter.velocity(x, grid_timesteps[i].expand(n), cond, h, w).detach()
+                    x = ode_step(s.off_window_solver, x, v, grid_sigmas, i, ode_state)
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))
         log_probs.append(staged(torch.stack(lps, 1)))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagerl.config import Config
+from imagerl.sampling.ode import ODE_SOLVERS
 from imagerl.sampling.window import validate_window
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
@@ -48,6 +49,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key} must be >= 1, got {value}")
+    if cfg.model.checkpoint_blocks < 0:
+        raise ValueError(f"model.checkpoint_blocks must be >= 0 (0: every block checkpoint_every selects), got "
+                         f"{cfg.model.checkpoint_blocks}")
     if not 1 <= world_size:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if s.group_size == 1:  # an advantage is a reward minus its group's mean: a group of one is always 0
@@ -98,6 +102,12 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
         if s.sde_window_schedule not in ("fixed", "sliding"):
             raise ValueError(f"sample.sde_window_schedule must be 'fixed' or 'sliding', got {s.sde_window_schedule!r}")
+        if s.off_window_solver not in ODE_SOLVERS:
+            raise ValueError(f"sample.off_window_solver must be one of {', '.join(ODE_SOLVERS)}, got "
+                             f"{s.off_window_solver!r}")
+        if s.post_window_steps is not None and (isinstance(s.post_window_steps, bool) or s.post_window_steps < 1):
+            raise ValueError(f"sample.post_window_steps must be null (the schedule's steps) or an int >= 1, got "
+                             f"{s.post_window_steps!r}")
         if s.sde_window_schedule == "sliding":
             if s.sde_window_stride < 1 or s.sde_window_period < 1:
                 raise ValueError(f"sample.sde_window_stride ({s.sde_window_stride}) and sample.sde_window_period "

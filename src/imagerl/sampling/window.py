@@ -15,6 +15,10 @@ flow_grpo's pipeline_with_logprob). Our default `sde_window_start = 3` reproduce
 steps every `period` rollouts, `forward` (toward the clean end) or `backward`, wrapping around inside the range;
 it begins at sde_window_start (or lo when that is "random"). The steps outside the window stay ODE steps that are
 never replayed, so the replay stays exact.
+
+`sample.post_window_steps` (MixGRPO-Flash's `dpm_post_compress_ratio`) runs the steps after the window over fewer
+points: a subset of the schedule's own sigmas, evenly spaced by index (`step_grid`). MixGRPO re-grids linearly in
+unshifted time and applies FLUX's shift; a subset keeps each family's own shifted spacing without inverting it.
 """
 
 from __future__ import annotations
@@ -88,3 +92,14 @@ def sde_window(num_sde_steps: int, window_range: tuple[int, int], start, *, seed
         gen = make_generator(seed, "sde_window", rollout_step)
         start = int(torch.randint(lo, hi - num_sde_steps + 1, (1,), generator=gen))
     return SDEWindow(int(start), num_sde_steps)
+
+
+def step_grid(num_steps: int, window: SDEWindow, post_window_steps: int | None) -> list[int]:
+    """Indices into the schedule's num_steps + 1 sigmas that one trajectory visits: every point up to the window's
+    end (so the window's steps are the schedule's), then `post_window_steps` steps to the terminal sigma, on points
+    evenly spaced by index (at most the schedule's own steps; None: all of them)."""
+    end = window.start + window.size
+    remaining = num_steps - end
+    n = remaining if post_window_steps is None else min(int(post_window_steps), remaining)
+    post = [end + round(k * remaining / n) for k in range(1, n + 1)]
+    return [*range(end + 1), *post]
