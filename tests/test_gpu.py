@@ -42,7 +42,13 @@ def test_bf16_rollout_replays_exactly_on_gpu(tiny_checkpoint, tmp_path):
                                         "sample.merge_lora=true", "model.gradient_checkpointing=false",
                                         "sample.max_sequence_length=128"],
                                        ["parallel.compile=true", "sample.batch_size=4", "train.batch_size=2",
-                                        "sample.merge_lora=true", "sample.off_window_fp8=true"]])
+                                        "sample.merge_lora=true", "sample.off_window_fp8=true"],
+                                       # the 80 GB recipes' shape: the text encoder off the GPU, some blocks
+                                       # keeping their activations
+                                       ["parallel.compile=true", "sample.batch_size=4", "train.batch_size=2",
+                                        "sample.merge_lora=true", "sample.off_window_fp8=true",
+                                        "model.text_encoder_offload=true", "model.gradient_checkpointing=true",
+                                        "model.checkpoint_blocks=1"]])
 def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, overrides):
     from imagerl.train import train
 
@@ -51,6 +57,34 @@ def test_training_on_gpu_is_on_policy(tiny_checkpoint, tmp_path, overrides):
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in records)
     assert all(r["memory/peak_allocated_gib"] > 0 for r in records)
+
+
+def test_offloaded_text_encoder_frees_its_gpu_memory_and_encodes_the_same(tiny_checkpoint, tmp_path):
+    """model.text_encoder_offload: the encoder's weights leave the GPU (pinned host copies), come back only while
+    prompts the cache lacks are encoded, and the embeddings are bit for bit those of the encoder left on the GPU."""
+    from imagerl.components import load_adapter
+    from imagerl.distributed.parallel import World
+
+    cfg = tiny_config(tiny_checkpoint, tmp_path, "model.device=cuda", "model.dtype=bfloat16")
+    adapter = load_adapter(cfg, World(0, 1, torch.device("cuda")))
+    prompts = ["a red cube on a blue sphere", "two cats", " "]
+    plain = adapter.encode_prompts(prompts)
+    tensors = [*adapter.text_encoder.parameters(), *adapter.text_encoder.buffers()]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    torch.cuda.synchronize()
+    on_gpu = torch.cuda.memory_allocated()
+    adapter.offload_text_encoder()
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+    assert torch.cuda.memory_allocated() <= on_gpu - size
+    adapter.prompt_cache = type(adapter.prompt_cache)(16)  # a fresh cache: the prompts are encoded again
+    inside = []
+    encode = adapter._encode_uncached
+    adapter._encode_uncached = lambda p: (inside.extend(t.device.type for t in tensors), encode(p))[1]
+    offloaded = adapter.encode_prompts(prompts)
+    assert set(inside) == {"cuda"} and all(t.device.type == "cpu" for t in tensors)
+    assert all(a.is_cuda and torch.equal(a, b) for a, b in zip(offloaded, plain))
+    adapter.reload_text_encoder()
+    assert all(t.is_cuda for t in tensors)
 
 
 def test_rope_tables_rebuilt_on_gpu_equal_a_gpu_build(tiny_checkpoint):

@@ -82,7 +82,10 @@ def prepare_adapter(adapter, cfg: Config):
                      True if cfg.model.lora_init == "default" else cfg.model.lora_init,
                      cfg.model.lora_target_modules or None)
     # without checkpointing (0) the blocks are still called as the rollout calls them (enable_activation_checkpointing)
-    adapter.enable_activation_checkpointing(cfg.model.checkpoint_every if cfg.model.gradient_checkpointing else 0)
+    adapter.enable_activation_checkpointing(cfg.model.checkpoint_every if cfg.model.gradient_checkpointing else 0,
+                                            cfg.model.checkpoint_blocks)
+    if cfg.model.text_encoder_offload:
+        adapter.offload_text_encoder()
     adapter.transformer.eval()
     return adapter
 

@@ -14,7 +14,8 @@ the fp32 sharded LoRA grads, so AdamW runs on fp32 master params and fp32 state.
 Text encoder: replicated when small; with parallel.text_encoder=shard (or auto and more than
 parallel.text_encoder_shard_min_params) its decoder layers and then its root are sharded, and each
 encode_prompts call gathers the whole encoder once (every rank makes the same number of calls: one per
-rollout / eval batch, prompt-cache hits included) and frees it afterwards. VAE and reward models are
+rollout / eval batch, prompt-cache hits included) and frees it afterwards. With model.text_encoder_offload it
+is never sharded: each rank keeps it in CPU memory and copies it in for the prompts its cache lacks. VAE and reward models are
 replicated (reward.device can put rewards on another GPU).
 """
 
@@ -75,6 +76,11 @@ def apply_parallelism(adapter, cfg: Config, world: World) -> str:
 def _shard_text_encoder(adapter, cfg: Config) -> bool:
     module = adapter.text_encoder_module()
     if module is None or cfg.parallel.text_encoder == "replicate":
+        return False
+    if adapter.text_encoder_offloaded:  # model.text_encoder_offload: each rank copies its host weights in whole
+        if cfg.parallel.text_encoder == "shard":
+            raise ValueError("model.text_encoder_offload=true keeps the whole text encoder in each rank's CPU memory; "
+                             "it cannot be sharded too: set parallel.text_encoder=auto or replicate")
         return False
     if cfg.parallel.text_encoder == "shard":
         if not adapter.text_encoder_layers():

@@ -155,7 +155,7 @@ class QwenImageFamily(FamilyAdapter):
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int = 512) -> list[torch.Tensor]:
         """One (L_i, D) embedding per prompt (valid tokens only), each unique prompt encoded once."""
-        embeds = self.prompt_cache.get_many(prompts, self._encode_uncached)
+        embeds = self.prompt_cache.get_many(prompts, self.encode_missing)
         for prompt, e in zip(prompts, embeds):
             if e.shape[0] > max_sequence_length and prompt not in self.truncation_warned:
                 self.truncation_warned.add(prompt)

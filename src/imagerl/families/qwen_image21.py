@@ -200,7 +200,7 @@ class QwenImage21Family(FamilyAdapter):
     def encode_prompts(self, prompts: list[str], max_sequence_length: int | None = None) -> list[torch.Tensor]:
         """One (L_i, D) embedding per prompt (valid tokens only), each unique prompt encoded once.
         max_sequence_length is accepted for the common interface and ignored: the 2.1 pipeline never truncates."""
-        return self.prompt_cache.get_many(prompts, self._encode_uncached)
+        return self.prompt_cache.get_many(prompts, self.encode_missing)
 
     def conditioning(self, cond: list[torch.Tensor], uncond: list[torch.Tensor] | None, guidance_scale: float,
                      kv_cache: bool = False) -> Conditioning21:

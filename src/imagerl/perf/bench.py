@@ -196,8 +196,10 @@ class Bench:
             off = _forward_flops(*no_lora, cached=s.kv_cache) - _forward_flops(*args, cached=s.kv_cache)
             rollout_per_sample += (s.num_steps - s.num_sde_steps) * off
         samples = s.prompts_per_rollout * s.group_size
+        from imagerl.perf.memory_estimate import checkpointed_blocks
+
         blocks = len(self.transformer.transformer_blocks)
-        recomputed = -(-blocks // cfg.model.checkpoint_every) / blocks if cfg.model.gradient_checkpointing else 0.0
+        recomputed = checkpointed_blocks(cfg.model, blocks) / blocks
         train = training_flops(forward, full_fine_tune=False, recompute=recomputed)
         if cfg.train.algorithm != "diffusion_nft":
             return samples * rollout_per_sample, samples * s.num_sde_steps * train
@@ -368,7 +370,8 @@ class Bench:
                 "reward_std_fp32": rewards[torch.float32].std().item()}
 
     def restore(self, adapter) -> None:
-        """Return the shared transformer to its plain state for the next variant."""
+        """Return the shared transformer (and text encoder) to its plain state for the next variant."""
+        adapter.reload_text_encoder()  # model.text_encoder_offload moved the shared encoder's weights to the CPU
         for block in adapter.transformer_blocks():
             block._compiled_call_impl = None  # nn.Module.compile's wrapper
         if self.transformer.is_gradient_checkpointing:

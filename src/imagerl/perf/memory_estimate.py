@@ -20,7 +20,10 @@ The model, per rank (bytes):
   training  = static + gradients + samples + activations kept for the backward, rows x tokens x hidden x
               (TRAIN_BLOCK_BYTES per block that keeps its activations + CHECKPOINT_BYTES per checkpointed
               block, whose input alone is kept, + TRAIN_BLOCK_BYTES for the block being recomputed)
-  peak      = max(rollout, training)
+  encode    = (model.text_encoder_offload) static + the text encoder, copied in for the prompts the cache lacks
+              before the rollout's samples and merged copies exist; the encoder is then out of `static` and waits
+              in host memory (pinned)
+  peak      = max(rollout, training[, encode])
 rows: samples per forward, doubled under CFG (the negative prompt's rows); tokens: image tokens + the text cap
 (sample.max_sequence_length, the worst case).
 
@@ -150,7 +153,9 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
     micro = t.batch_size or s.batch_size
 
     lora = dims.lora_params // shard
-    static = ((dims.transformer_bytes + dims.text_encoder_bytes) // shard + dims.vae_bytes + _reward_bytes(cfg)
+    offload = cfg.model.text_encoder_offload
+    text_encoder = 0 if offload else dims.text_encoder_bytes // shard
+    static = (dims.transformer_bytes // shard + text_encoder + dims.vae_bytes + _reward_bytes(cfg)
               + lora * LORA_STATE_BYTES + (lora * 4 * NFT_LORA_COPIES if nft else 0))
     gradients = lora * 4
 
@@ -162,7 +167,7 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
     text = (prompts_per_rank + 1) * (tokens - dims.image_tokens) * dims.text_hidden * dims.text_bytes_per_value
     on_device = samples_per_rank * (latent + (0 if t.timestep_staging else kept)) + text
     images = samples_per_rank * 3 * s.height * s.width * 4
-    host = images + (samples_per_rank * kept if t.timestep_staging else 0)
+    host = images + (samples_per_rank * kept if t.timestep_staging else 0) + (dims.text_encoder_bytes if offload else 0)
 
     merged = 0
     if s.merge_lora:
@@ -171,25 +176,34 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
     rollout = (static + on_device + merged + s.batch_size * cfg_rows * tokens * dims.hidden * INFERENCE_BYTES
                + min(micro, s.batch_size) * s.height * s.width * decode_per_pixel)
 
-    if cfg.model.gradient_checkpointing:
-        checkpointed = -(-dims.blocks // cfg.model.checkpoint_every)
-        per_token = checkpointed * CHECKPOINT_BYTES + (dims.blocks - checkpointed + 1) * TRAIN_BLOCK_BYTES
-    else:
-        per_token = dims.blocks * TRAIN_BLOCK_BYTES
+    checkpointed = checkpointed_blocks(cfg.model, dims.blocks)
+    per_token = checkpointed * CHECKPOINT_BYTES + (dims.blocks - checkpointed + (1 if checkpointed else 0)) * TRAIN_BLOCK_BYTES
     training = static + gradients + on_device + micro * cfg_rows * tokens * dims.hidden * per_token
-    return MemoryEstimate(static=int(static), samples=int(on_device), rollout=int(rollout), training=int(training),
-                          host=int(host), device_is_host=device_type == "cpu")
+    encode = static + dims.text_encoder_bytes if offload else 0
+    return MemoryEstimate(static=int(static), samples=int(on_device), rollout=int(max(rollout, encode)),
+                          training=int(training), host=int(host), device_is_host=device_type == "cpu")
+
+
+def checkpointed_blocks(model, blocks: int) -> int:
+    """How many of `blocks` transformer blocks recompute their activations in the backward under cfg.model
+    (gradient_checkpointing, checkpoint_every, checkpoint_blocks; families/base.py enable_activation_checkpointing)."""
+    if not model.gradient_checkpointing:
+        return 0
+    selected = -(-blocks // model.checkpoint_every)
+    return min(selected, model.checkpoint_blocks) if model.checkpoint_blocks > 0 else selected
 
 
 # one change at a time, then pairs, in this order: the first that fit are suggested
 def _levers(cfg) -> list[tuple[str, ...]]:
     s, t, m = cfg.sample, cfg.train, cfg.model
     micro = t.batch_size or s.batch_size
-    single = []
+    single = [] if m.text_encoder_offload else ["model.text_encoder_offload=true"]  # the same run, ~0.6 s a rollout
     if not m.gradient_checkpointing:
         single.append("model.gradient_checkpointing=true")
     elif m.checkpoint_every > 1:
         single.append("model.checkpoint_every=1")
+    elif m.checkpoint_blocks > 0:
+        single.append("model.checkpoint_blocks=0")
     if s.merge_lora and not s.off_window_fp8:
         single.append("sample.off_window_fp8=true")
     if s.merge_lora:
