@@ -29,7 +29,8 @@ rows: samples per forward, doubled under CFG (the negative prompt's rows); token
 
 The four coefficients were fitted to nine measured peaks of the released-size qwen_image (RESULTS.md runs I, P,
 S, AE, AH, AI: rollout batch 8-16, training batch 4-8, merged or not, checkpointing every block, every other
-block or none, Flow-GRPO and DiffusionNFT); every one is reproduced within 3 %:
+block or none, Flow-GRPO and DiffusionNFT); those and the four of runs AK and AL (the text encoder off the GPU,
+merged copies in FP8, the first 40 or 45 blocks checkpointed) are reproduced within 4 %:
   TRAIN_BLOCK_BYTES 37: a Qwen-Image dual-stream block keeps, per token and hidden unit, its norms, q/k/v, the
       attention output, the 4x MLP's input and GELU output (16 bytes in bf16 alone) and the fp32 LoRA inputs.
   CHECKPOINT_BYTES 2: a checkpointed block keeps its bf16 input.
@@ -54,8 +55,10 @@ NFT_LORA_COPIES = 3  # LoraStates: the old policy's and the EMA's LoRA, and the 
 # PickScore_v1 is a CLIP ViT-H/14 (986 M), CLIP score and the LAION aesthetic predictor a CLIP ViT-L/14 (428 M);
 # the JPEG, OCR (onnxruntime on the CPU) and shapes rewards hold no GPU weights
 REWARD_PARAMS = {"pickscore": 986_000_000, "clipscore": 428_000_000, "aesthetic": 428_000_000}
-# the device's memory the estimate may use: the rest is the CUDA context, cuBLAS workspaces and fragmentation
-USABLE_FRACTION = 0.97
+# the device's memory the estimate may use: the rest is the CUDA context, cuBLAS workspaces and the caching
+# allocator's fragmentation (RESULTS.md run AK, H100: a configuration estimated at 73.9 GiB ran out of memory with
+# 74.5 GiB allocated and 3.6 GiB reserved but unallocated; 0.93 of the H100's 79.2 GiB is 73.6)
+USABLE_FRACTION = 0.93
 
 
 @dataclass(frozen=True)
