@@ -191,7 +191,7 @@ class TrainConfig:
 
 @dataclass
 class NFTConfig:
-    """DiffusionNFT (train.algorithm=diffusion_nft; NVlabs/DiffusionNFT, reference/verl_nft.md Part B). Defaults:
+    """DiffusionNFT (train.algorithm=diffusion_nft; github.com/NVlabs/DiffusionNFT). Defaults:
     NVlabs' config/base.py + nft.py (decay_type 1)."""
 
     beta: float = 1.0

@@ -1,5 +1,5 @@
-"""DiffusionNFT (negative-aware fine-tuning on the forward process; NVlabs/DiffusionNFT scripts/train_nft_sd3.py,
-reference/verl_nft.md Part B).
+"""DiffusionNFT (negative-aware fine-tuning on the forward process; github.com/NVlabs/DiffusionNFT,
+scripts/train_nft_sd3.py).
 
 The `old` policy samples each rollout by a deterministic ODE (rollout.generate_clean); only the clean latents
 x0 are kept. Rewards become optimality probabilities

@@ -1,4 +1,4 @@
-"""Flow-GRPO policy update (flow_grpo scripts/train_qwenimage.py, reference/flow_grpo.md §4).
+"""Flow-GRPO policy update (github.com/yifan123/flow_grpo, scripts/train_qwenimage.py).
 
 Per rollout the rank's batches are split into `num_optimizer_steps` equal, consecutive chunks (no
 shuffling, zero-advantage samples trained too, as flow_grpo's Qwen trainer). For each batch and each

@@ -1,6 +1,6 @@
 """Qwen-Image (1.0): dual-stream MMDiT, Qwen2.5-VL text encoder, 16-channel VAE, true CFG with norm rescale.
 
-Everything here mirrors diffusers 0.42.1 `QwenImagePipeline` (reference/diffusers_qwenimage.md §3.1):
+Everything here mirrors diffusers 0.42.1 `QwenImagePipeline` (pipelines/qwenimage/pipeline_qwenimage.py):
   prompts   template + "<|im_start|>assistant\\n", tokenized with max_length 1024 + 34, hidden_states[-1]
             of the text encoder, the first 34 tokens (system turn + "<|im_start|>user\\n") dropped,
             right-padded; truncated to max_sequence_length.

@@ -1,7 +1,7 @@
 """Qwen-Image 2.1: single-stream block-causal DiT, Qwen3-VL text encoder, 64-channel RGBA VAE (16x), no CFG.
 
-Everything here mirrors diffusers 0.42.1 `QwenImage21Pipeline` text-to-image (reference/diffusers_qwenimage.md
-§2, §3.2, §4, §5):
+Everything here mirrors diffusers 0.42.1 `QwenImage21Pipeline` text-to-image
+(pipelines/qwenimage/, its transformer and VAE in models/):
   prompts   the raw template string (system turn + user turn + "<|im_start|>assistant\\n"), the text encoder's
             last decoder layer output BEFORE its final RMSNorm, the system turn's tokens dropped (their count
             from the chat template, as the pipeline computes `_drop_idx`), valid tokens only. No

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-# Qwen-Image's released scheduler_config.json (reference/diffusers_qwenimage.md §3.1; the class
+# Qwen-Image's released scheduler_config.json (Qwen/Qwen-Image, scheduler/; the class
 # defaults differ: use_dynamic_shifting False, max_shift 1.15, max_image_seq_len 4096, no terminal).
 QWEN_IMAGE_SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,

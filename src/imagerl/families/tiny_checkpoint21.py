@@ -4,7 +4,7 @@
 vae/, scheduler/, text_encoder/, processor/) with random weights, through
 `QwenImage21Pipeline.save_pretrained`, so that it loads through the same code path as the real weights.
 
-Components (reference/diffusers_qwenimage.md §2, §3.2, §4, §5, §7):
+Components (as diffusers' Qwen-Image 2.1 classes define them):
   transformer   QwenImage21Transformer2DModel, patch_size 1, in = out = the VAE's z_dim, 2 blocks.
   vae           AutoencoderKLQwenImage21 with a 5-entry dim_mult (the pipeline hard-codes 16x), RGBA in/out,
                 non-trivial latents_mean / latents_std so that de-normalisation is exercised.

@@ -8,7 +8,7 @@ SDE window {3, 4}, 2 optimizer steps per iteration, LoRA r64/a128 on the family'
 `pickscore` reward on a random CLIP ViT-H/14, the text encoder at its released size; qwen_image with true CFG 4,
 qwen_image21 without CFG. Each variant runs `warmup` iterations, then `iterations` measured ones.
 
-Counting (perf/flops.py, reference/diffusers_qwenimage.md section 6): rollout FLOPs = samples x steps x
+Counting (perf/flops.py, from diffusers' transformer_qwenimage.py): rollout FLOPs = samples x steps x
 (cond forward at the prompt's length + uncond forward at the negative prompt's length); training FLOPs =
 samples x SDE steps x (forward + activation-gradient backward [+ recompute with gradient checkpointing]),
 i.e. recompute is counted as work done (hardware FLOPs). Text encoder, VAE and reward are not counted

@@ -10,7 +10,7 @@ One forward of QwenImageTransformer2DModel on one sample with I image tokens and
   outside     2 x C_in x D x I (img_in) + 2 x J x D x L (txt_in) + 2 x (256 D + D^2) (timestep MLP)
             + 2 x 2 D^2 (norm_out, per sample) + 2 x D x C_out x I (proj_out)
 
-(reference/diffusers_qwenimage.md section 6: 13.59 GFLOP x N + 0.737 MFLOP x N^2 + 22 MFLOP x L + small for
+(counted from diffusers' transformer_qwenimage.py at the released config: 13.59 GFLOP x N + 0.737 MFLOP x N^2 + 22 MFLOP x L + small for
 the 20B model). A LoRA of rank r on a Linear (in -> out) adds 2 x r x (in + out) per row. Elementwise work
 (norms, RoPE, softmax, activations) is not counted, as in MFU conventions.
 """
