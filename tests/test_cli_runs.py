@@ -85,3 +85,28 @@ def test_ctrl_c_stops_with_one_line_and_the_last_checkpoint_resumes(tiny_checkpo
     monkeypatch.setattr(AsyncScorer, "collect", collect)
     assert main(["train", "--resume", "latest", "--output-dir", str(run)]) == 0
     assert _steps(run) == [1, 2, 3]
+
+
+def test_a_resume_continues_toward_an_extension_stopped_before_its_first_checkpoint(tiny_checkpoint, tmp_path,
+                                                                                   capsys, monkeypatch):
+    """`--resume latest train.num_rollouts=3`, interrupted before the extension's first checkpoint, then
+    `--resume latest`: it continues toward 3 (the run's latest config), not the checkpoint's 1. run.output_dir is
+    not listed as a changed setting."""
+    from imagerl.scoring import AsyncScorer
+
+    run = tmp_path / "run"
+    assert main(_args(tiny_checkpoint, run)) == 0
+    collect = AsyncScorer.collect
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AsyncScorer, "collect", interrupted)
+    assert main(["train", "--resume", "latest", "--output-dir", str(run), "train.num_rollouts=3"]) == 130
+    monkeypatch.setattr(AsyncScorer, "collect", collect)
+    capsys.readouterr()
+    assert main(["train", "--resume", "latest", "--output-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "continuing toward train.num_rollouts=3, the run's latest target (config.resumed_step_000001.yaml)" in out
+    assert f"resuming {run} after rollout 1 of 3" in out and "run.output_dir" not in out
+    assert _steps(run) == [1, 2, 3]

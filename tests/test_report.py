@@ -75,6 +75,22 @@ def test_report_without_eval(tmp_path, capsys):
     assert (run / "plots" / "phases.png").is_file()
 
 
+def test_report_counts_toward_the_latest_target_and_omits_the_replay_row_without_it(tmp_path, capsys):
+    """An extended run (`--resume latest train.num_rollouts=70`) reports its latest target, from the newest
+    config*.yaml; a DiffusionNFT run (no log-probs, nothing replayed) has no log_prob_mean_abs_diff row."""
+    import os
+
+    records = [{k: v for k, v in r.items() if k != "train/log_prob_mean_abs_diff"} for r in _train_records()]
+    run = _write(tmp_path / "run", records)
+    (run / "config.yaml").write_text("train:\n  num_rollouts: 2\n")
+    (run / "config.resumed_step_000002.yaml").write_text("train:\n  num_rollouts: 7\n")
+    os.utime(run / "config.yaml", ns=(1_000_000_000, 1_000_000_000))  # the first config is the older one
+    assert main(["report", str(run)]) == 0
+    t = _table(capsys.readouterr().out)
+    assert t["rollouts done"] == "4 of 7"
+    assert "log_prob_mean_abs_diff, max" not in t
+
+
 def test_report_with_eval_and_eval_only(tmp_path, capsys):
     run = _write(tmp_path / "run", _train_records(eval_every=2))
     assert main(["report", str(run), "--no-phases"]) == 0

@@ -381,7 +381,8 @@ def check_resume_config(path: Path, config: dict) -> list[str]:
         if key in saved and saved[key] != now.get(key):
             raise ValueError(f"--resume {path}: the checkpoint was written by {key}={saved[key]}, this run has "
                              f"{key}={now.get(key)}; a resumed run keeps {key}: drop the override or start a new run")
-    return sorted(k for k in now if k in saved and saved[k] != now[k] and k != "recipe")
+    # run.output_dir: where the run is now (resolved, or moved) is not a setting the resumed run changes
+    return sorted(k for k in now if k in saved and saved[k] != now[k] and k not in ("recipe", "run.output_dir"))
 
 
 def resolve_resume(resume: str, run_dir: Path) -> Path:

@@ -43,7 +43,7 @@ def _resume_config(resume: str, output_dir: str | None, overrides: list[str]):
     the run directory is the checkpoint's (or --output-dir). `latest` looks in --output-dir, else in the default
     recipe's run directory."""
     from imagerl.checkpoint import read_state, resolve_resume
-    from imagerl.config import config_from_dict, load_config
+    from imagerl.config import config_from_dict, load_config, planned_rollouts
 
     where = Path(output_dir) if output_dir else load_config("quickstart").output_dir
     checkpoint = resolve_resume(resume, where)
@@ -52,7 +52,12 @@ def _resume_config(resume: str, output_dir: str | None, overrides: list[str]):
         raise ValueError(f"{checkpoint / 'state.json'} holds no config; resume with --recipe NAME_OR_YAML")
     cfg = config_from_dict(saved, overrides)
     # the directory the checkpoint is in (runs/X/checkpoints/step_N), braces escaped for the {recipe} template
-    cfg.run.output_dir = str(output_dir or checkpoint.parent.parent).replace("{", "{{").replace("}", "}}")
+    run_dir = Path(output_dir or checkpoint.parent.parent)
+    cfg.run.output_dir = str(run_dir).replace("{", "{{").replace("}", "}}")
+    target = planned_rollouts(run_dir)  # an extension given since this checkpoint (e.g. stopped before the next)
+    if target and target[0] != cfg.train.num_rollouts and not any(o.startswith("train.num_rollouts=") for o in overrides):
+        print(f"continuing toward train.num_rollouts={target[0]}, the run's latest target ({target[1].name})")
+        cfg.train.num_rollouts = target[0]
     return cfg
 
 

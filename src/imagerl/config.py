@@ -481,3 +481,17 @@ _DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 def save_config(cfg: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def planned_rollouts(run_dir: Path) -> tuple[int, Path] | None:
+    """train.num_rollouts of the config the run was last started with, and that file: the newest of run_dir's
+    config.yaml and config.resumed_*.yaml (train writes one at every start). None if there is none readable."""
+    files = [p for p in [Path(run_dir) / "config.yaml", *Path(run_dir).glob("config.resumed_*.yaml")] if p.is_file()]
+    for path in sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True):
+        try:
+            value = ((_safe_load(path.read_text(), str(path)) or {}).get("train") or {}).get("num_rollouts")
+        except (ValueError, yaml.YAMLError, AttributeError, OSError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, path
+    return None

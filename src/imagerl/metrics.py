@@ -413,12 +413,13 @@ def plot_reward_curve(run_dir: Path, out: Path | None = None) -> Path:
                         title=run_dir.resolve().name)
 
 
-def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it", leave: bool = True):
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it", leave: bool = True, initial: int = 0):
     """A tqdm bar on standard error, drawn only when `enabled` and on a terminal (console.interactive): in a log
-    file the per-rollout lines that MetricsLogger echoes through bar.write are the progress."""
+    file the per-rollout lines that MetricsLogger echoes through bar.write are the progress. `initial`: steps done
+    before (a resume), counted in the bar but not in its rate and ETA."""
     from tqdm.auto import tqdm
 
     from imagerl.console import interactive
 
     return tqdm(total=total, desc=desc, disable=not (enabled and interactive()), unit=unit, leave=leave,
-                file=sys.stderr, dynamic_ncols=True)
+                file=sys.stderr, dynamic_ncols=True, initial=initial)

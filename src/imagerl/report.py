@@ -61,16 +61,10 @@ def load_run(run_dir: str | Path) -> list[dict]:
 
 
 def _planned(run_dir: Path) -> int | None:
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        return None
-    import yaml
+    from imagerl.config import planned_rollouts
 
-    try:
-        value = (yaml.safe_load(path.read_text()) or {}).get("train", {}).get("num_rollouts")
-    except (yaml.YAMLError, AttributeError):
-        return None
-    return value if isinstance(value, int) else None
+    found = planned_rollouts(run_dir)  # the latest target: an extended run's config.resumed_*.yaml
+    return found[0] if found else None
 
 
 def summarize(run_dir: str | Path, records: list[dict] | None = None) -> RunSummary:
@@ -138,7 +132,8 @@ def format_summary(s: RunSummary) -> str:
     rows.append(("images/s (rollout, all ranks)", "-" if s.images_per_s is None else f"{s.images_per_s:.3f}"))
     for key, value in sorted(s.peak_memory_gib.items()):
         rows.append((f"{MEMORY_LABELS.get(key, key)} (GiB)", f"{value:.2f}"))
-    rows.append(("log_prob_mean_abs_diff, max", "-" if s.log_prob_diff_max is None else f"{s.log_prob_diff_max:.3g}"))
+    if s.log_prob_diff_max is not None:  # Flow-GRPO's replay check; DiffusionNFT replays nothing
+        rows.append(("log_prob_mean_abs_diff, max", f"{s.log_prob_diff_max:.3g}"))
     rows.append(("failed rewards (all rollouts)", str(s.failed_rewards)))
     rows.append(("checkpoints", ", ".join(s.checkpoints) or "none"))
     width = max(len(k) for k, _ in rows)

@@ -99,8 +99,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     maybe_eval = _evaluator(cfg, adapter, algo, save, scorer, test_set, world, run_dir, timer)
     if start == 0 and cfg.eval.before_training:
         logger.log(0, {**maybe_eval(0, force=True), **timer.pop_metrics()})
-    bar = progress_bar(cfg.train.num_rollouts, "rollouts", world.is_main, unit="rollout")
-    bar.update(start)
+    bar = progress_bar(cfg.train.num_rollouts, "rollouts", world.is_main, unit="rollout", initial=start)
     loop_start = time.perf_counter()
 
     with GCFreeze(cfg.run.gc_freeze) as gc_freeze:  # one collection + gc.freeze() after the first rollout
