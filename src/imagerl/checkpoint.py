@@ -64,15 +64,23 @@ def save_lora(adapter, directory: Path, state: dict[str, torch.Tensor] | None = 
     pipeline.save_lora_weights(directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata)
 
 
-def load_lora(adapter, directory: Path) -> None:
-    """Add the adapter described by a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+def check_lora_dir(directory: Path) -> None:
+    """ValueError unless `directory` holds a PEFT adapter; cheap, so callers check before loading a model."""
     config_file, weights = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     if not config_file.is_file() or not weights.is_file():
+        hint = ("" if directory.is_dir() else " (it does not exist)") + (
+            f"; its lora/ folder is {directory / 'lora'}" if (directory / "lora" / "adapter_config.json").is_file()
+            else "")
         raise ValueError(f"--lora {directory}: expected adapter_config.json and adapter_model.safetensors "
-                         "(the lora/ folder of an imagerl checkpoint)")
-    config = json.loads(config_file.read_text())
+                         f"(the lora/ folder of an imagerl checkpoint){hint}")
+
+
+def load_lora(adapter, directory: Path) -> None:
+    """Add the adapter described by a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+    check_lora_dir(directory)
+    config = json.loads((directory / "adapter_config.json").read_text())
     adapter.add_lora(config["r"], config["lora_alpha"], True, config["target_modules"])
-    state = load_file(weights)
+    state = load_file(directory / "adapter_model.safetensors")
     adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
 
 

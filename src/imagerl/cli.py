@@ -105,8 +105,9 @@ def _make_synthetic(args) -> int:
 
 
 def _sample(args) -> int:
-    from imagerl.sample import sample_images, save_images
+    from imagerl.sample import check_image_path, sample_images, save_images
 
+    check_image_path(args.out)
     images = sample_images(args.model, args.prompt, family=args.family or "auto", lora=args.lora,
                            num_steps=args.steps, seed=args.seed, guidance_scale=args.guidance, height=args.height,
                            width=args.width, negative_prompt=args.negative_prompt, device=args.device,
@@ -315,10 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from imagerl.rewards import RewardError
 
-    from imagerl.console import quiet_harmless_warnings
+    from imagerl.console import quiet_harmless_warnings, quiet_library_progress
 
     args = build_parser().parse_args(argv)
     quiet_harmless_warnings()
+    quiet_library_progress()  # piped or logged: no "Loading weights" bars (a terminal keeps them)
     try:
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; checkpoints are written whole or not at all

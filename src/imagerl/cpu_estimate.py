@@ -1,9 +1,12 @@
 """Before a model loads on a CPU: how long one rollout would take there, so that a GPU recipe started without a
 GPU says so (in hours or days) instead of running silently for them.
 
-Estimate: the transformer's analytic FLOPs (perf/flops.py, from transformer/config.json) for one rollout and its
-update, over the float32 matmul rate this CPU reaches (measured: a 512^3 matmul, ~50 ms). Text counted as 64
-tokens; text encoder, VAE and rewards not counted, so it is a lower bound.
+Before loading: the transformer's analytic FLOPs (perf/flops.py, from transformer/config.json) for one rollout and
+its update, over the float32 matmul rate this CPU reaches (measured: a 512^3 matmul, ~50 ms). Text counted as 64
+tokens; text encoder, VAE and rewards not counted, so it is a lower bound: it catches the released models (days).
+After loading (`measured_rollout_seconds`): one transformer forward and one VAE decode of a rollout batch, timed on
+this CPU and scaled to the rollout. Small models spend their time outside the matmuls the FLOP count sees (the tiny
+model at a GPU recipe's 512 px and 512 images: minutes per rollout, which the FLOP bound put far below the warning).
 """
 
 from __future__ import annotations
@@ -55,3 +58,57 @@ def cpu_rollout_warning(cfg, path: Path, family_name: str) -> str | None:
             f"at {cfg.sample.height}x{cfg.sample.width} px would take at least {when} here ({work / 1e15:.3g} PFLOP at "
             f"the {rate / 1e9:.0f} GFLOP/s this CPU measured); this recipe is meant for a GPU (model.device=cuda), "
             f"or try the CPU quickstart: imagerl train")
+
+
+def measured_rollout_seconds(adapter, cfg) -> float:
+    """One rollout's time on this device, from timed pieces: a transformer forward of a rollout batch (after one
+    warm-up) per denoising step plus 3 per trained step (forward and backward), and a VAE decode, per batch."""
+    import time
+
+    from imagerl.rollout import batch_conditioning
+    from imagerl.sampling import flow_timesteps
+
+    s = cfg.sample
+    batch = max(1, min(s.batch_size, s.prompts_per_rollout * s.group_size))
+    text = adapter.encode_prompts(["a photo"] * batch, s.max_sequence_length)
+    negative = adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0] if s.guidance_scale > 1 else None
+    cond = batch_conditioning(adapter, text, negative, s.guidance_scale)
+    x = torch.cat([adapter.initial_noise([torch.Generator().manual_seed(i)], s.height, s.width) for i in range(batch)])
+    x = x.to(adapter.device, torch.float32)
+    t = flow_timesteps(adapter.sigmas(s.num_steps, s.height, s.width), adapter.scheduler_config)[:1].expand(batch)
+    with torch.no_grad():
+        adapter.velocity(x, t, cond, s.height, s.width)
+        start = time.perf_counter()
+        adapter.velocity(x, t, cond, s.height, s.width)
+        forward = time.perf_counter() - start
+        start = time.perf_counter()
+        adapter.decode(x, s.height, s.width)
+        decode = time.perf_counter() - start
+    trained = s.num_steps if cfg.train.algorithm == "diffusion_nft" else s.num_sde_steps
+    batches = s.prompts_per_rollout * s.group_size / batch
+    return batches * (forward * (s.num_steps + 3 * trained) + decode)
+
+
+def measured_rollout_message(adapter, cfg) -> tuple[str, bool]:
+    """(the line to print, whether it is a warning) for one rollout measured on this CPU."""
+    seconds = measured_rollout_seconds(adapter, cfg)
+    images = cfg.sample.prompts_per_rollout * cfg.sample.group_size
+    total = seconds * cfg.train.num_rollouts
+    line = (f"one rollout of {images} images at {cfg.sample.height}x{cfg.sample.width} px takes about "
+            f"{_duration(seconds)} on this CPU ({cfg.train.num_rollouts} rollout{'s' if cfg.train.num_rollouts != 1 else ''}: "
+            f"about {_duration(total)}; timed "
+            "from a forward and a decode, rewards and evaluation not counted)")
+    if seconds <= WARN_ABOVE_S:
+        return line, False
+    return line + "; this recipe is meant for a GPU (model.device=cuda), or try the CPU quickstart: imagerl train", True
+
+
+def _duration(seconds: float) -> str:
+    hours = seconds / 3600
+    if hours >= 48:
+        return f"{hours / 24:.0f} days"
+    if hours >= 1:
+        return f"{hours:.1f} hours"
+    if seconds < 1:
+        return "under a second"
+    return f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} s"

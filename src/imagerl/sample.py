@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from imagerl.checkpoint import load_lora
+from imagerl.checkpoint import check_lora_dir, load_lora
 from imagerl.components import resolve_dtype, resolve_model_path
 from imagerl.distributed.parallel import resolve_device
 from imagerl.distributed.rng import make_generator
@@ -29,6 +29,8 @@ def sample_images(model: str, prompts: list[str], *, family: str = "auto", lora:
     for flag, value in (("--steps", num_steps), ("--height", height), ("--width", width)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if lora:  # before the model loads
+        check_lora_dir(Path(lora))
     path = resolve_model_path(model)
     cls = family_class(path, family)
     defaults = model_defaults(path)
@@ -45,6 +47,17 @@ def sample_images(model: str, prompts: list[str], *, family: str = "auto", lora:
     latents = ode_sample(adapter, prompts, num_steps=steps, guidance_scale=guidance, height=h, width=w,
                          initial_noise_BNC=noise, negative_prompt=negative_prompt)
     return adapter.decode(latents, h, w).cpu()
+
+
+def check_image_path(out: str) -> None:
+    """ValueError unless PIL can write `out` by its extension (checked before sampling, which takes minutes)."""
+    from PIL import Image
+
+    Image.init()
+    suffix = Path(out).suffix.lower()
+    if suffix not in Image.registered_extensions() or Image.registered_extensions()[suffix] not in Image.SAVE:
+        raise ValueError(f"--out {out}: give an image file name ending in .png (or .jpg, .webp), e.g. --out "
+                         f"{Path(out).with_suffix('.png')}")
 
 
 def save_images(images_B3HW: torch.Tensor, out: str) -> list[Path]:

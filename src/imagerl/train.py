@@ -80,6 +80,8 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     resolve_family_defaults(cfg, adapter)
     apply_parallelism(adapter, cfg, world)  # compile, shard (FSDP2); before the optimizer sees the params
     check_memory(cfg, adapter, world)  # a run that cannot fit is refused now, not out of memory after compiling
+    if world.is_main and world.device.type == "cpu":
+        _report_cpu_rollout_time(cfg, adapter)
     if world.is_main:  # a resumed run keeps the original config.yaml and records its own beside it
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / ("config.yaml" if resume_from is None else f"config.resumed_{resume_from.name}.yaml"))
@@ -167,6 +169,16 @@ def _warn_if_slow_on_cpu(cfg: Config, world) -> None:
         print(f"imagerl: warning: {warning}", file=sys.stderr)
 
 
+def _report_cpu_rollout_time(cfg: Config, adapter) -> None:
+    """On a CPU: one rollout's time, measured on the loaded model; a warning when it is a GPU-sized run."""
+    import sys
+
+    from imagerl.cpu_estimate import measured_rollout_message
+
+    line, slow = measured_rollout_message(adapter, cfg)
+    print(f"imagerl: warning: {line}" if slow else line, file=sys.stderr if slow else sys.stdout, flush=True)
+
+
 def _saver(cfg: Config, adapter, optimizer, algo, run_dir: Path, world):
     """save(step, keep) -> checkpoint path (every rank): lora/ holds the weights the algorithm evaluates with."""
 
@@ -187,8 +199,13 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
         due = cfg.eval.interval and (done % cfg.eval.interval == 0 or done == cfg.train.num_rollouts)
         if test_set is None or not (force or due):
             return {}
-        from imagerl.evaluation import evaluate
+        from imagerl.console import interactive
+        from imagerl.evaluation import eval_settings, evaluate
 
+        if world.is_main and not interactive():  # a log has no bar: say what the next minutes are spent on
+            e = eval_settings(cfg, adapter, test_set)
+            print(f"evaluating after rollout {done}: {e.num_prompts} held-out prompts, {e.num_steps} ODE steps",
+                  flush=True)
         try:
             with timer("eval"), algo.evaluation_weights():
                 return evaluate(adapter, scorer, test_set, cfg, world, done, run_dir=run_dir if world.is_main else None)
