@@ -277,6 +277,11 @@ def test_cli_lists_recipes(capsys):
     assert code == 0
     names = [line.split()[0] for line in out.splitlines() if line.strip()]
     assert "quickstart" in names and "qwen_image_jpeg" in names
+    from imagerl.config import available_recipes
+
+    for line in out.splitlines()[:len(available_recipes())]:  # one whole sentence each, not a cut comment
+        summary = line.split(maxsplit=1)[1]
+        assert summary.endswith(".") and len(line) <= 125 and "reference/" not in summary, line
 
 
 @pytest.mark.parametrize("resume", ["dir", "latest"])

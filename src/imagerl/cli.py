@@ -120,9 +120,10 @@ def _sample(args) -> int:
 def _recipes(args) -> int:
     from imagerl.config import available_recipes, recipe_dir
 
-    for name in available_recipes():
+    for name in available_recipes():  # each recipe's first line is its one-sentence summary
         first = (recipe_dir() / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
         print(f"{name:24s} {first}")
+    print("details: the comments at the top of each recipe (imagerl/recipes/NAME.yaml); use: imagerl train --recipe NAME")
     return 0
 
 
