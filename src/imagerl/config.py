@@ -55,15 +55,15 @@ class ModelConfig:
     """VAE decode (and encode) dtype: "float32" (flow_grpo, the pipeline's output path) or "bfloat16" (faster;
     the images, and so the rewards, differ slightly: benchmarks/RESULTS.md measures by how much)."""
     group_text_lengths: bool = False
+    """qwen_image: run the rows of a batch with different text lengths (cond vs uncond with CFG, prompts of
+    different lengths) as separate unmasked forwards instead of one forward padded to the longest row with a
+    key mask (flow_grpo, the pipeline): no padded tokens and attention without a mask; the same math. qwen_image21
+    always groups by length."""
     text_length_multiple: int = 0
     """qwen_image: pad each forward's text to a multiple of this many tokens (masked keys, the same values).
     0: 8 with parallel.compile, else 1. Inductor specialises a block's graph on whether the joint sequence
     (4096 image + L text tokens at 1024 px, 1024 + L at 512 px) is a multiple of 8 (alignment guard
     `(N + L) % 8`), so unpadded prompt lengths cost a second compiled graph; padded, one graph serves all."""
-    """qwen_image: run the rows of a batch with different text lengths (cond vs uncond with CFG, prompts of
-    different lengths) as separate unmasked forwards instead of one forward padded to the longest row with a
-    key mask (flow_grpo, the pipeline): no padded tokens and attention without a mask; the same math. qwen_image21
-    always groups by length."""
 
 
 @dataclass
