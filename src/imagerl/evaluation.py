@@ -85,52 +85,17 @@ def run_evaluation(adapter, scorer, test_set: PromptSet, cfg, world: World, prog
     on every rank (after the gather, so no rank is left waiting); with skip it is counted."""
     start_time = time.perf_counter()
     settings = eval_settings(cfg, adapter, test_set)
-    n, h, w = settings.num_prompts, settings.height, settings.width
+    n = settings.num_prompts
     if n == 0:
         raise ValueError("the held-out prompt set is empty")
     names = list(reward_names if reward_names is not None else cfg.reward.weights)
-    adapter.transformer.eval()
-    block = rank_block(n, world.rank, world.size)
-    first_block = len(rank_block(n, 0, world.size))
-    grid_count = min(GRID_IMAGES, n)
-    keep = max(0, min(block.stop, grid_count) - block.start)  # this rank's images among the first grid_count
-
-    rows, errors, kept_images = [], [], []
-    bar = progress_bar(len(block), "eval", progress and world.is_main, unit="img", leave=False)
-    # every rank runs the same number of batches (FSDP gathers weights collectively in each forward): a rank
-    # with a shorter block runs a discarded batch of prompt 0 instead
-    for start in range(block.start, block.start + first_block, settings.batch_size):
-        idx = range(start, min(start + settings.batch_size, block.stop))
-        if not len(idx):
-            if world.fsdp:
-                ode_sample(adapter, test_set.prompts[:1], num_steps=settings.num_steps,
-                           guidance_scale=settings.guidance_scale, height=h, width=w,
-                           initial_noise_BNC=eval_noise(adapter, settings.seed, range(1), h, w),
-                           negative_prompt=settings.negative_prompt, batch_size=1,
-                           max_sequence_length=settings.max_sequence_length)
-            continue
-        prompts = [test_set.prompts[i] for i in idx]
-        metadata = [test_set.metadata[i] if i < len(test_set.metadata) else {} for i in idx]
-        latents = ode_sample(adapter, prompts, num_steps=settings.num_steps, guidance_scale=settings.guidance_scale,
-                             height=h, width=w, initial_noise_BNC=eval_noise(adapter, settings.seed, idx, h, w),
-                             negative_prompt=settings.negative_prompt, batch_size=len(idx),
-                             max_sequence_length=settings.max_sequence_length)
-        images = adapter.decode(latents, h, w).float().cpu()
-        rows.append(_score_rows(scorer, images, prompts, metadata, names, errors))
-        if len(kept_images) < keep:
-            kept_images.extend(images[: keep - len(kept_images)])
-        bar.update(len(idx))
-    bar.close()
-
-    width_cols = 2 + len(names)  # total, valid, components...
-    local = torch.full((first_block, width_cols), float("nan"), dtype=torch.float64)
-    if rows:
-        mine = torch.cat(rows)
-        local[: mine.shape[0]] = mine
-    table = unpad_gathered(world.all_gather(local.to(world.device)).cpu(), n, world.size)
+    errors: list[str] = []
+    table, grid = generate_and_score(
+        adapter, test_set.prompts[:n], test_set.metadata, settings, world,
+        lambda images, prompts, metadata: _score_rows(scorer, images, prompts, metadata, names, errors),
+        2 + len(names), grid_count=min(GRID_IMAGES, n), progress=progress)
     total, valid = table[:, 0], table[:, 1] == 1
     components = {name: table[:, 2 + j] for j, name in enumerate(names)}
-    grid = _gather_grid(kept_images, n, grid_count, world, h, w)
 
     failed = int((~valid).sum())
     if failed and cfg.reward.on_error == "error":
@@ -149,6 +114,53 @@ def run_evaluation(adapter, scorer, test_set: PromptSet, cfg, world: World, prog
     metrics["eval/num_prompts"] = n
     metrics["time/eval_s"] = time.perf_counter() - start_time
     return EvalResult(metrics, settings, list(test_set.prompts[:n]), total, components, valid, errors, grid)
+
+
+@torch.no_grad()
+def generate_and_score(adapter, prompts: list[str], metadata: list[dict], settings: EvalSettings, world: World,
+                       score_batch, width: int, grid_count: int = 0, progress: bool = True, desc: str = "eval"):
+    """ODE-sample prompt i from noise (settings.seed, "eval", i) on the rank that holds i (data.rank_block), score
+    each batch with score_batch(images_B3HW, prompts, metadata) -> (B, width) float64, and gather every rank's
+    rows. Returns (the (len(prompts), width) table in prompt order, the first grid_count images on rank 0)."""
+    n, h, w = len(prompts), settings.height, settings.width
+    adapter.transformer.eval()
+    block = rank_block(n, world.rank, world.size)
+    first_block = len(rank_block(n, 0, world.size))
+    keep = max(0, min(block.stop, grid_count) - block.start)  # this rank's images among the first grid_count
+    rows, kept_images = [], []
+    bar = progress_bar(len(block), desc, progress and world.is_main, unit="img", leave=False)
+    # every rank runs the same number of batches (FSDP gathers weights collectively in each forward): a rank
+    # with a shorter block runs a discarded batch of prompt 0 instead
+    for start in range(block.start, block.start + first_block, settings.batch_size):
+        idx = range(start, min(start + settings.batch_size, block.stop))
+        if not len(idx):
+            if world.fsdp:
+                ode_sample(adapter, prompts[:1], num_steps=settings.num_steps,
+                           guidance_scale=settings.guidance_scale, height=h, width=w,
+                           initial_noise_BNC=eval_noise(adapter, settings.seed, range(1), h, w),
+                           negative_prompt=settings.negative_prompt, batch_size=1,
+                           max_sequence_length=settings.max_sequence_length)
+            continue
+        batch_prompts = [prompts[i] for i in idx]
+        batch_metadata = [metadata[i] if i < len(metadata) else {} for i in idx]
+        latents = ode_sample(adapter, batch_prompts, num_steps=settings.num_steps,
+                             guidance_scale=settings.guidance_scale, height=h, width=w,
+                             initial_noise_BNC=eval_noise(adapter, settings.seed, idx, h, w),
+                             negative_prompt=settings.negative_prompt, batch_size=len(idx),
+                             max_sequence_length=settings.max_sequence_length)
+        images = adapter.decode(latents, h, w).float().cpu()
+        rows.append(score_batch(images, batch_prompts, batch_metadata))
+        if len(kept_images) < keep:
+            kept_images.extend(images[: keep - len(kept_images)])
+        bar.update(len(idx))
+    bar.close()
+    local = torch.full((first_block, width), float("nan"), dtype=torch.float64)
+    if rows:
+        mine = torch.cat(rows)
+        local[: mine.shape[0]] = mine
+    table = unpad_gathered(world.all_gather(local.to(world.device)).cpu(), n, world.size)
+    grid = _gather_grid(kept_images, n, grid_count, world, h, w) if grid_count else None
+    return table, grid
 
 
 def unpad_gathered(gathered: torch.Tensor, n: int, world_size: int) -> torch.Tensor:
