@@ -60,7 +60,7 @@ def cpu_rollout_warning(cfg, path: Path, family_name: str) -> str | None:
             f"or try the CPU quickstart: imagerl train")
 
 
-def measured_rollout_seconds(adapter, cfg) -> float:
+def measured_rollout_seconds(adapter, cfg, ranks: int = 1) -> float:
     """One rollout's time on this device, from timed pieces: a transformer forward of a rollout batch (after one
     warm-up) per denoising step plus 3 per trained step (forward and backward), and a VAE decode, per batch."""
     import time
@@ -85,13 +85,13 @@ def measured_rollout_seconds(adapter, cfg) -> float:
         adapter.decode(x, s.height, s.width)
         decode = time.perf_counter() - start
     trained = s.num_steps if cfg.train.algorithm == "diffusion_nft" else s.num_sde_steps
-    batches = s.prompts_per_rollout * s.group_size / batch
+    batches = s.prompts_per_rollout * s.group_size / ranks / batch  # each rank samples its share
     return batches * (forward * (s.num_steps + 3 * trained) + decode)
 
 
-def measured_rollout_message(adapter, cfg) -> tuple[str, bool]:
-    """(the line to print, whether it is a warning) for one rollout measured on this CPU."""
-    seconds = measured_rollout_seconds(adapter, cfg)
+def measured_rollout_message(adapter, cfg, ranks: int = 1) -> tuple[str, bool]:
+    """(the line to print, whether it is a warning) for one rollout measured on this CPU (`ranks` processes)."""
+    seconds = measured_rollout_seconds(adapter, cfg, ranks)
     images = cfg.sample.prompts_per_rollout * cfg.sample.group_size
     total = seconds * cfg.train.num_rollouts
     line = (f"one rollout of {images} images at {cfg.sample.height}x{cfg.sample.width} px takes about "

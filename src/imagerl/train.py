@@ -80,8 +80,8 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     resolve_family_defaults(cfg, adapter)
     apply_parallelism(adapter, cfg, world)  # compile, shard (FSDP2); before the optimizer sees the params
     check_memory(cfg, adapter, world)  # a run that cannot fit is refused now, not out of memory after compiling
-    if world.is_main and world.device.type == "cpu":
-        _report_cpu_rollout_time(cfg, adapter)
+    if world.device.type == "cpu":  # every rank: under FSDP the timed forward gathers weights collectively
+        _report_cpu_rollout_time(cfg, adapter, world)
     if world.is_main:  # a resumed run keeps the original config.yaml and records its own beside it
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / ("config.yaml" if resume_from is None else f"config.resumed_{resume_from.name}.yaml"))
@@ -169,14 +169,16 @@ def _warn_if_slow_on_cpu(cfg: Config, world) -> None:
         print(f"imagerl: warning: {warning}", file=sys.stderr)
 
 
-def _report_cpu_rollout_time(cfg: Config, adapter) -> None:
-    """On a CPU: one rollout's time, measured on the loaded model; a warning when it is a GPU-sized run."""
+def _report_cpu_rollout_time(cfg: Config, adapter, world) -> None:
+    """On a CPU: one rollout's time, measured on the loaded model; a warning when it is a GPU-sized run. Every rank
+    measures (the same forward), rank 0 prints."""
     import sys
 
     from imagerl.cpu_estimate import measured_rollout_message
 
-    line, slow = measured_rollout_message(adapter, cfg)
-    print(f"imagerl: warning: {line}" if slow else line, file=sys.stderr if slow else sys.stdout, flush=True)
+    line, slow = measured_rollout_message(adapter, cfg, world.size)
+    if world.is_main:
+        print(f"imagerl: warning: {line}" if slow else line, file=sys.stderr if slow else sys.stdout, flush=True)
 
 
 def _saver(cfg: Config, adapter, optimizer, algo, run_dir: Path, world):
