@@ -138,8 +138,20 @@ def _report(args) -> int:
 
 
 def _eval(args) -> int:
+    if args.suite:
+        from imagerl.suites.run import cli_suite
+
+        cli_suite(args)
+        return 0
     from imagerl.evaluation import cli_evaluate
 
+    if not args.prompts:
+        raise ValueError("give --prompts FILE (or a shipped set), or --suite NAME (imagerl eval --help lists both)")
+    if args.lora and len(args.lora) > 1:
+        raise ValueError("several --lora side by side need a suite: --suite shapes | ocr | geneval | reward:NAME")
+    if args.images_per_prompt is not None:
+        raise ValueError("--images-per-prompt belongs to --suite; without it, repeat prompts in the file")
+    args.lora = args.lora[0] if args.lora else None
     cli_evaluate(args)
     return 0
 
@@ -219,9 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1; jpeg_compressibility).")
     p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
-    p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
-    p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl (a 'prompt' field), or a "
-                   "shipped set: bundled (128 OCR prompts), shapes-train, shapes-test (the quickstart's held-out 125)")
+    p.add_argument("--lora", action="append", default=None, help="a LoRA directory (the lora/ folder of an imagerl "
+                   "checkpoint); with --suite repeat it to compare several beside the base model")
+    p.add_argument("--suite", default=None, help="shapes | ocr | geneval | reward:NAME: the measures papers report, "
+                   "the base model and each --lora side by side with 95%% intervals (docs/evaluation.md)")
+    p.add_argument("--images-per-prompt", type=int, default=None, help="with --suite (default: the suite's: 4 for "
+                   "shapes and geneval, 1 for ocr and reward:NAME)")
+    p.add_argument("--prompts", default=None, help=".txt (one prompt per line) or .jsonl (a 'prompt' field), or a "
+                   "shipped set: bundled (128 OCR prompts), shapes-train, shapes-test (the quickstart's held-out 125), "
+                   "ocr-test (flow_grpo's 1018), geneval (GenEval's 553); with --suite it replaces the suite's")
     p.add_argument("--reward", action="extend", nargs="+", default=None, metavar="NAME",
                    help="reward(s), each weighted 1 (default: the model's, else jpeg_compressibility)")
     p.add_argument("--steps", type=int, default=None, help="ODE steps (default: the model's, else the family's: "

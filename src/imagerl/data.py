@@ -31,7 +31,10 @@ BUNDLED_PROMPTS = "ocr_prompts_128.txt"  # first 128 lines of flow_grpo's OCR te
 # The shapes sets are the prompts files of `imagerl make-synthetic-data DIR --num-images 4096 --seed 0`
 # (the quickstart model's training captions, and 64 captions of held-out scenes: see synthetic.py).
 NAMED_PROMPT_SETS = {"bundled": BUNDLED_PROMPTS, "shapes-train": "shapes_prompts_train.txt",
-                     "shapes-test": "shapes_prompts_test.txt"}
+                     "shapes-test": "shapes_prompts_test.txt",
+                     # flow_grpo's OCR test prompts and GenEval's 553 prompts (github.com/yifan123/flow_grpo, MIT:
+                     # assets/LICENSE-flow_grpo; GenEval: github.com/djghosh13/geneval, evaluation_metadata.jsonl)
+                     "ocr-test": "ocr_test_prompts.txt", "geneval": "geneval_prompts.jsonl"}
 
 
 def bundled_prompt_file(name: str = "bundled") -> Path:

@@ -244,6 +244,23 @@ def save_eval_grid(result: EvalResult, path: Path) -> Path | None:
     return path
 
 
+def apply_reward_overrides(cfg, overrides: list[str]) -> None:
+    """`reward.key=value` items (the only settings `imagerl eval` takes besides its flags) into cfg."""
+    import yaml
+
+    from imagerl.config import _set
+
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.startswith("reward."):
+            raise ValueError(f"{item!r}: only reward settings can be given here, as reward.key=value "
+                             "(e.g. reward.clip_model=/models/clip-vit-large-patch14)")
+        try:
+            _set(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{item!r}: cannot parse value: {e}") from e
+
+
 def cli_evaluate(args) -> EvalResult:
     """`imagerl eval`: load the model (+ LoRA), evaluate a prompt file or shipped set (data.NAMED_PROMPT_SETS),
     write eval.json and eval_grid.png. Settings not given (size, steps, guidance, the reward) come from the
@@ -252,11 +269,9 @@ def cli_evaluate(args) -> EvalResult:
     import dataclasses
     import json
 
-    import yaml
-
     from imagerl.checkpoint import load_lora
     from imagerl.components import resolve_dtype, resolve_model_path
-    from imagerl.config import Config, _set
+    from imagerl.config import Config
     from imagerl.data import load_prompt_set, resolve_prompt_file
     from imagerl.distributed.parallel import init_world
     from imagerl.families.registry import family_class
@@ -280,15 +295,7 @@ def cli_evaluate(args) -> EvalResult:
             raise ValueError(f"{defaults.source}: 'rewards': {e}") from None
     cfg.reward.weights = {name: 1.0 for name in (args.reward or defaults.rewards or ["jpeg_compressibility"])}
     cfg.reward.on_error = args.on_error
-    for item in args.overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.startswith("reward."):
-            raise ValueError(f"{item!r}: only reward settings can be given here, as reward.key=value "
-                             "(e.g. reward.clip_model=/models/clip-vit-large-patch14)")
-        try:
-            _set(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else raw)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{item!r}: cannot parse value: {e}") from e
+    apply_reward_overrides(cfg, args.overrides)
     check_reward_config(cfg.reward)  # names and reward-model paths, before anything slow
     test_set = load_prompt_set(resolve_prompt_file(args.prompts), key="--prompts")
     validate_prompts(cfg.reward.weights, test_set.prompts, test_set.metadata)

@@ -1,0 +1,195 @@
+"""`imagerl eval --suite NAME [--lora A --lora B ...]`: the base model and each LoRA on one suite, side by side.
+
+Every model samples the same images' noise (prompt i's image k from (seed, "eval", i * K + k)), so the comparison is
+paired by prompt; each row's interval is the paired bootstrap over prompts (suites/stats.py). Writes
+<out>/suite_<name>.json (every number, per prompt too) and .md (the table) on rank 0; ranks split the images.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from imagerl.suites import Suite, build_suite
+from imagerl.suites.stats import Interval, category_mean, paired_bootstrap
+
+NUM_RESAMPLES = 1000
+IMAGE_KEY = "suite_image"  # added to each image's metadata: its row in expand()'s list (the layout writer's key)
+
+
+def lora_label(path: str) -> str:
+    """A column name for a LoRA: runs/x/checkpoints/step_000060/lora -> x/step_000060, else the folder name."""
+    p = Path(path).resolve()
+    if p.name == "lora" and p.parent.parent.name == "checkpoints":
+        return f"{p.parent.parent.parent.name}/{p.parent.name}"
+    return p.parent.name if p.name == "lora" else p.name
+
+
+def use_lora(adapter, directory: str) -> None:
+    """Replace the adapter's LoRA (if any) by the one in `directory`."""
+    from imagerl.checkpoint import load_lora
+
+    if getattr(adapter.transformer, "peft_config", None):
+        adapter.transformer.delete_adapters(list(adapter.transformer.peft_config))
+    load_lora(adapter, Path(directory))
+
+
+def expand(suite: Suite, images_per_prompt: int, max_prompts: int = 0):
+    """(prompts, metadata) of every image: prompt i's K images are rows i * K ... i * K + K - 1."""
+    n = len(suite.prompt_set) if max_prompts <= 0 else min(max_prompts, len(suite.prompt_set))
+    meta = suite.prompt_set.metadata or [{} for _ in range(n)]
+    rows = [(i, k) for i in range(n) for k in range(images_per_prompt)]
+    metadata = [{**meta[i], IMAGE_KEY: j} for j, (i, _) in enumerate(rows)]
+    return n, [suite.prompt_set.prompts[i] for i, _ in rows], metadata, rows
+
+
+def per_prompt(table_IM: torch.Tensor, n: int, k: int) -> np.ndarray:
+    """(n, M): each prompt's mean over its K images (NaN where the measure does not apply to the prompt)."""
+    values = table_IM.numpy().reshape(n, k, -1)
+    with np.errstate(invalid="ignore"):
+        applicable = np.isfinite(values).any(axis=1)
+        sums = np.nansum(values, axis=1)
+        counts = np.isfinite(values).sum(axis=1)
+        return np.where(applicable, sums / np.maximum(counts, 1), np.nan)
+
+
+def summarise(suite: Suite, scores_MPC: np.ndarray, seed: int = 0) -> list[dict]:
+    """One row per measure (and GenEval's overall): prompts counted, each model's interval, the difference to the
+    base (model 0). A prompt enters a measure's row when every model has a value for it."""
+    rows = []
+    for c, measure in enumerate(suite.measures):
+        keep = np.isfinite(scores_MPC[:, :, c]).all(axis=0)
+        if not keep.any():
+            continue
+        models, diffs = paired_bootstrap(scores_MPC[:, keep, c], NUM_RESAMPLES, seed)
+        rows.append({"measure": measure, "prompts": int(keep.sum()), "models": models, "diffs": diffs})
+    if suite.overall and rows:
+        models, diffs = paired_bootstrap(scores_MPC, NUM_RESAMPLES, seed, statistic=category_mean)
+        rows.append({"measure": "overall", "prompts": scores_MPC.shape[1], "models": models, "diffs": diffs})
+    return rows
+
+
+def _cell(i: Interval, signed: bool = False) -> str:
+    f = "{:+.3f}" if signed else "{:.3f}"
+    return f"{f.format(i.mean)} [{f.format(i.low)}, {f.format(i.high)}]"
+
+
+def markdown_table(labels: list[str], rows: list[dict]) -> str:
+    head = ["measure", "prompts", *labels, *[f"{label} - {labels[0]}" for label in labels[1:]]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["measure"], str(r["prompts"]), *map(_cell, r["models"]),
+                 *(_cell(d, signed=True) for d in r["diffs"][1:])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cli_suite(args) -> dict:
+    """`imagerl eval --suite NAME`: build the suite, sample it with the base model and each --lora, print and write
+    the table. Settings not given come from the model's imagerl_defaults.json, else the family's."""
+    from imagerl.checkpoint import check_lora_dir
+    from imagerl.components import resolve_dtype, resolve_model_path
+    from imagerl.config import Config
+    from imagerl.distributed.parallel import init_world
+    from imagerl.evaluation import EvalSettings, apply_reward_overrides, generate_and_score
+    from imagerl.families.registry import family_class
+    from imagerl.model_defaults import model_defaults
+
+    loras = list(args.lora or [])
+    for lora in loras:  # before anything loads
+        check_lora_dir(Path(lora))
+    if args.images_per_prompt is not None and args.images_per_prompt < 1:
+        raise ValueError(f"--images-per-prompt must be >= 1, got {args.images_per_prompt}")
+    world = init_world(args.device)
+    path = resolve_model_path(args.model, world)
+    cfg = Config(recipe="eval")
+    apply_reward_overrides(cfg, args.overrides)
+    suite = build_suite(args.suite, args.prompts, cfg.reward, world.device)
+    family = family_class(path, args.family or "auto")
+    defaults = model_defaults(path)
+    h, w, steps, guidance = defaults.sampling(family, height=args.height, width=args.width, num_steps=args.steps,
+                                              guidance_scale=args.guidance)
+    k = args.images_per_prompt or suite.images_per_prompt
+    n, prompts, metadata, rows = expand(suite, k, args.max_prompts)
+    settings = EvalSettings(steps, float(guidance), h, w, args.seed, args.batch_size, args.negative_prompt, len(prompts))
+    out = Path(args.out)
+    labels = ["base", *_unique([lora_label(p) for p in loras])]
+    if world.is_main:
+        print(f"suite {suite.name}: {n} prompts x {k} images, {h}x{w} px, {steps} steps, guidance {guidance:g}; "
+              f"{suite.source}; models: {', '.join(labels)}")
+    adapter = family.from_pretrained(path, world.device, resolve_dtype(args.dtype, world.device))
+    width = max(1, len(suite.measures))
+    scores, seconds = [], []
+    for label, lora in zip(labels, [None, *loras]):
+        if lora is not None:
+            use_lora(adapter, lora)
+        score = suite.score or _layout_writer(suite, out / suite.name / label.replace("/", "_"), rows)
+        start = time.perf_counter()
+        table, _ = generate_and_score(adapter, prompts, metadata, settings, world, score, width,
+                                      progress=True, desc=label)
+        seconds.append(time.perf_counter() - start)
+        scores.append(per_prompt(table, n, k))
+    if not world.is_main:
+        world.barrier()
+        return {}
+    return _write_results(suite, labels, loras, np.stack(scores), seconds, settings, n, k, out, args, world)
+
+
+def _unique(labels: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+    return out
+
+
+def _layout_writer(suite: Suite, folder: Path, rows: list[tuple[int, int]]):
+    """score_batch for a suite without measures (geneval): each image into GenEval's layout (by its row's
+    IMAGE_KEY); 0 per image."""
+    from imagerl.suites.geneval_layout import write_image
+
+    def write(images_B3HW, prompts, metadata):
+        for image, prompt, meta in zip(images_B3HW, prompts, metadata):
+            i, k = rows[meta[IMAGE_KEY]]
+            record = {key: v for key, v in meta.items() if key != IMAGE_KEY} or {"prompt": prompt}
+            write_image(folder, i, record, k, image)
+        return torch.zeros(images_B3HW.shape[0], 1, dtype=torch.float64)
+
+    return write
+
+
+def _write_results(suite: Suite, labels, loras, scores_MPC, seconds, settings, n, k, out: Path, args, world) -> dict:
+    import dataclasses
+
+    rows = summarise(suite, scores_MPC, seed=args.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    timing = ", ".join(f"{label} {s:.1f} s" for label, s in zip(labels, seconds))
+    if suite.measures:
+        table = markdown_table(labels, rows)
+        print(table)
+    else:
+        table = f"{n} prompts x {k} images written in GenEval's layout under {out / suite.name}/<model>/"
+        print(table + "; score them with GenEval's evaluation/evaluate_images.py")
+    print(f"time: {timing} ({world.size} process{'es' if world.size > 1 else ''})")
+    record = {
+        "suite": suite.name, "source": suite.source, "model": str(args.model), "models": labels, "loras": loras,
+        "prompts": n, "images_per_prompt": k, "settings": dataclasses.asdict(settings),
+        "seconds": dict(zip(labels, seconds)), "ranks": world.size, "resamples": NUM_RESAMPLES,
+        "rows": [{"measure": r["measure"], "prompts": r["prompts"],
+                  "models": {lb: dataclasses.asdict(i) for lb, i in zip(labels, r["models"])},
+                  "diffs": {lb: dataclasses.asdict(d) for lb, d in zip(labels[1:], r["diffs"][1:])}} for r in rows],
+        "per_prompt": {lb: [[None if np.isnan(v) else float(v) for v in row] for row in s]
+                       for lb, s in zip(labels, scores_MPC)},
+        "measures": list(suite.measures), "prompt_texts": suite.prompt_set.prompts[:n],
+    }
+    (out / f"suite_{suite.name.replace(':', '_')}.json").write_text(json.dumps(record, indent=1) + "\n")
+    md = out / f"suite_{suite.name.replace(':', '_')}.md"
+    md.write_text(f"suite {suite.name} ({suite.source}): {n} prompts x {k} images\n\n{table}\n\ntime: {timing}\n")
+    print(f"wrote {md} and {md.with_suffix('.json')}")
+    world.barrier()
+    return record
