@@ -93,3 +93,23 @@ def test_eval_suite_geneval_writes_the_layout(tiny_checkpoint, tmp_path, capsys)
     folders = _read_geneval_folder(tmp_path / "out" / "geneval" / "base")
     assert len(folders) == 3 and all(len(f["images"]) == 4 for f in folders)
     assert folders[0]["record"]["prompt"] == "a photo of two wine glasses" and "tag" in folders[0]["record"]
+
+
+def test_training_runs_its_suites_at_each_evaluation_and_report_shows_them(tiny_checkpoint, tmp_path, capsys):
+    from conftest import tiny_config
+    from imagerl.train import train
+
+    run = tmp_path / "run"
+    train(tiny_config(tiny_checkpoint, run, "train.num_rollouts=2", "eval.interval=2", "eval.before_training=true",
+                      "eval.num_steps=2", "eval.suites=[shapes,geneval]", "eval.suite_max_prompts=3",
+                      "data.test_prompts=split", "eval.max_prompts=2"))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval/suite/shapes/overall" in r]
+    assert [r["step"] for r in evaluated] == [0, 2]
+    assert all(0 <= r["eval/suite/shapes/overall"] <= 1 for r in evaluated)
+    assert len(list((run / "suites" / "geneval" / "step_000002").glob("*/samples/*.png"))) == 3 * 4
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "suite shapes" in out and "overall" in out
+    with pytest.raises(ValueError, match="unknown suite 'nope'"):
+        train(tiny_config(tiny_checkpoint, tmp_path / "bad", "eval.suites=[nope]", "eval.interval=1"))

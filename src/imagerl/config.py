@@ -259,6 +259,12 @@ class EvalConfig:
     batch_size: int = 4
     max_prompts: int = 0
     """Evaluate only the first N test prompts (0: all)."""
+    suites: list[str] = field(default_factory=list)
+    """Evaluation suites run at each evaluation beside the held-out reward, on the weights evaluation uses:
+    shapes, ocr, geneval (images only, under <run>/suites/geneval/step_N/), reward:NAME (on data.test_prompts);
+    metrics eval/suite/<suite>/<measure> (imagerl.suites; `imagerl eval --suite` compares finished runs)."""
+    suite_max_prompts: int = 0
+    """Only the first N prompts of each suite (0: all of them)."""
 
 
 @dataclass

@@ -158,6 +158,24 @@ def format_eval_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_suite_tables(records: list[dict]) -> str:
+    """Each eval.suites suite over training: one row per evaluation, one column per measure ("" when none ran)."""
+    prefix = "eval/suite/"
+    suites = sorted({k[len(prefix):].split("/")[0] for r in records for k in r if k.startswith(prefix)})
+    blocks = []
+    for suite in suites:
+        keys = list(dict.fromkeys(k for r in records for k in r if k.startswith(f"{prefix}{suite}/")))
+        names = [k.rsplit("/", 1)[1] for k in keys]
+        width = max(8, *map(len, names))
+        lines = [f"suite {suite}", f"{'rollout':>7}" + "".join(f"  {n:>{width}}" for n in names)]
+        for r in records:
+            if any(k in r for k in keys):
+                cells = "".join(f"  {r[k]:>{width}.4f}" if _is_number(r.get(k)) else f"  {'-':>{width}}" for k in keys)
+                lines.append(f"{r['step']:>7}{cells}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def write_report(run_dir: str | Path, phases: bool = True) -> tuple[str, list[Path]]:
     """(summary table, plot paths): plots/reward.png and, with `phases`, plots/phases.png."""
     run_dir = Path(run_dir)
@@ -167,4 +185,5 @@ def write_report(run_dir: str | Path, phases: bool = True) -> tuple[str, list[Pa
     paths = [plot_rewards(records, run_dir / "plots" / "reward.png", title=title)]
     if phases:
         paths.append(plot_phases(records, run_dir / "plots" / "phases.png", title=f"{title}: seconds per phase"))
-    return format_summary(summary), paths
+    suites = format_suite_tables(records)
+    return format_summary(summary) + (f"\n\n{suites}" if suites else ""), paths

@@ -197,20 +197,27 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
     """maybe_eval(done, force=False) -> eval metrics every eval.interval rollouts and after the last one.
     A failing eval reward saves the state after rollout `done` first, so the update is not lost."""
 
+    from imagerl.suites.run import TrainingSuites
+
+    suites = TrainingSuites(cfg, world, test_set) if cfg.eval.suites else None
+
     def maybe_eval(done: int, force: bool = False) -> dict[str, float]:
         due = cfg.eval.interval and (done % cfg.eval.interval == 0 or done == cfg.train.num_rollouts)
-        if test_set is None or not (force or due):
+        if (test_set is None and suites is None) or not (force or due):
             return {}
         from imagerl.console import interactive
         from imagerl.evaluation import eval_settings, evaluate
 
         if world.is_main and not interactive():  # a log has no bar: say what the next minutes are spent on
-            e = eval_settings(cfg, adapter, test_set)
-            print(f"evaluating after rollout {done}: {e.num_prompts} held-out prompts, {e.num_steps} ODE steps",
-                  flush=True)
+            held_out = (f"{eval_settings(cfg, adapter, test_set).num_prompts} held-out prompts"
+                        if test_set is not None else "")
+            print(f"evaluating after rollout {done}: " + ", ".join(
+                filter(None, [held_out, *(f"suite {n}" for n in cfg.eval.suites)])), flush=True)
         try:
             with timer("eval"), algo.evaluation_weights():
-                return evaluate(adapter, scorer, test_set, cfg, world, done, run_dir=run_dir if world.is_main else None)
+                metrics = {} if test_set is None else evaluate(adapter, scorer, test_set, cfg, world, done,
+                                                               run_dir=run_dir if world.is_main else None)
+                return {**metrics, **(suites(adapter, done, run_dir) if suites else {})}
         except RewardError as e:
             where = ""
             if done > 0:  # every rank gets here (the eval reward error is raised on all ranks)

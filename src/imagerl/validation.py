@@ -125,6 +125,13 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     for key, value in {"train.adam_beta1": t.adam_beta1, "train.adam_beta2": t.adam_beta2}.items():
         if not 0 <= value < 1:
             raise ValueError(f"{key} must be in [0, 1) (an Adam moment decay), got {value}")
+    if cfg.eval.suites:
+        from imagerl.suites.run import check_suite_names
+
+        check_suite_names(cfg.eval.suites)
+        if cfg.eval.interval <= 0 and not cfg.eval.before_training:
+            raise ValueError("eval.suites run at evaluations: set eval.interval (and data.test_prompts) or "
+                             "eval.before_training=true")
     if cfg.model.lora_init not in ("gaussian", "default"):
         raise ValueError(f"model.lora_init must be 'gaussian' or 'default', got {cfg.model.lora_init!r}")
     if not cfg.reward.weights:

@@ -37,8 +37,10 @@ class Suite:
 SUITE_NAMES = ("shapes", "ocr", "geneval", "reward:NAME")
 
 
-def build_suite(name: str, prompts: str | None = None, reward_cfg=None, device: torch.device | None = None) -> Suite:
-    """The suite called `name` (SUITE_NAMES); `prompts` replaces its prompt set (required for reward:NAME)."""
+def build_suite(name: str, prompts: str | PromptSet | None = None, reward_cfg=None,
+                device: torch.device | None = None) -> Suite:
+    """The suite called `name` (SUITE_NAMES); `prompts` (a file, a shipped set's name or a PromptSet) replaces its
+    prompt set (required for reward:NAME)."""
     if name == "shapes":
         from imagerl.suites.shapes_suite import CATEGORIES, score_images
 
@@ -59,7 +61,8 @@ def build_suite(name: str, prompts: str | None = None, reward_cfg=None, device: 
     if name.startswith("reward:"):
         reward = name.partition(":")[2]
         if not prompts:
-            raise ValueError(f"--suite {name} scores a prompt file: give --prompts FILE (or a shipped set)")
+            raise ValueError(f"suite {name} scores a prompt file: give --prompts FILE (or a shipped set); in training "
+                             "it scores data.test_prompts")
         import dataclasses
 
         from imagerl.config import RewardConfig
@@ -75,5 +78,5 @@ def build_suite(name: str, prompts: str | None = None, reward_cfg=None, device: 
     raise ValueError(f"unknown suite {name!r}; the suites: {', '.join(SUITE_NAMES)}")
 
 
-def _prompts(spec: str) -> PromptSet:
-    return load_prompt_set(resolve_prompt_file(spec), key="--prompts")
+def _prompts(spec: str | PromptSet) -> PromptSet:
+    return spec if isinstance(spec, PromptSet) else load_prompt_set(resolve_prompt_file(spec), key="--prompts")

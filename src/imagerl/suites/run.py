@@ -193,3 +193,51 @@ def _write_results(suite: Suite, labels, loras, scores_MPC, seconds, settings, n
     print(f"wrote {md} and {md.with_suffix('.json')}")
     world.barrier()
     return record
+
+
+def check_suite_names(names: list[str]) -> None:
+    """ValueError for an unknown suite name in eval.suites (before any model loads)."""
+    from imagerl.rewards.registry import check_reward_names
+
+    for name in names:
+        if name.startswith("reward:"):
+            check_reward_names({name.partition(":")[2]: 1.0})
+        elif name not in ("shapes", "ocr", "geneval"):
+            raise ValueError(f"eval.suites: unknown suite {name!r}; the suites: shapes, ocr, geneval, reward:NAME")
+
+
+class TrainingSuites:
+    """eval.suites during training: each suite built once, run on the current weights at every evaluation."""
+
+    def __init__(self, cfg, world, test_set=None):
+        self.cfg, self.world = cfg, world
+        self.suites = [build_suite(name, test_set if name.startswith("reward:") else None, cfg.reward,
+                                   world.device) for name in cfg.eval.suites]
+
+    def __call__(self, adapter, step: int, run_dir: Path | None) -> dict[str, float]:
+        from imagerl.evaluation import EvalSettings, generate_and_score
+
+        e, s = self.cfg.eval, self.cfg.sample
+        guidance = e.guidance_scale if e.guidance_scale is not None else s.guidance_scale
+        metrics = {}
+        for suite in self.suites:
+            k = suite.images_per_prompt
+            n, prompts, metadata, rows = expand(suite, k, e.suite_max_prompts)
+            settings = EvalSettings(e.num_steps, float(guidance if guidance is not None else
+                                                       adapter.default_guidance_scale),
+                                    s.height, s.width, e.seed, e.batch_size, s.negative_prompt, len(prompts),
+                                    s.max_sequence_length)
+            folder = Path(run_dir or ".") / "suites" / suite.name / f"step_{step:06d}"
+            score = suite.score or _layout_writer(suite, folder, rows)
+            start = time.perf_counter()
+            table, _ = generate_and_score(adapter, prompts, metadata, settings, self.world, score,
+                                          max(1, len(suite.measures)), desc=suite.name)
+            scores = per_prompt(table, n, k)
+            for c, measure in enumerate(suite.measures):
+                values = scores[:, c][np.isfinite(scores[:, c])]
+                if values.size:
+                    metrics[f"eval/suite/{suite.name}/{measure}"] = float(values.mean())
+            if suite.overall:
+                metrics[f"eval/suite/{suite.name}/overall"] = float(category_mean(scores[None], axis=1)[0])
+            metrics[f"time/suite_{suite.name}_s"] = time.perf_counter() - start
+        return metrics
