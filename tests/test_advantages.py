@@ -177,3 +177,50 @@ def test_group_ids_may_be_prompt_strings_ints_or_tensors_as_flow_grpo_groups_by_
                        group_advantages(rewards, torch.tensor([0, 1, 0, 1]), global_std=True))
     with pytest.raises(ValueError, match="hashable"):
         group_advantages(rewards, [[1], [1], [2], [2]], global_std=True)
+
+
+def _direct_group_advantages(values, groups, global_std, eps=1e-4):
+    """flow_grpo's per-prompt normalisation written out with Python floats (population std)."""
+    out = []
+    all_mean = sum(values) / len(values)
+    all_std = (sum((v - all_mean) ** 2 for v in values) / len(values)) ** 0.5
+    for v, g in zip(values, groups):
+        members = [x for x, h in zip(values, groups) if h == g]
+        mean = sum(members) / len(members)
+        std = all_std if global_std else (sum((x - mean) ** 2 for x in members) / len(members)) ** 0.5
+        out.append((v - mean) / (std + eps) if len(set(members)) > 1 else 0.0)
+    return out
+
+
+@pytest.mark.parametrize("global_std", [False, True])
+def test_per_reward_advantages_are_the_weighted_sum_of_each_rewards_own_advantage(global_std):
+    """GDPO: a reward with a 100x spread (jpeg) cannot drown the other (shapes) as it does in the sum."""
+    from imagerl.algorithms.advantages import per_reward_advantages
+
+    groups = [0, 0, 0, 1, 1, 1]
+    shapes = [0.2, 0.5, 0.8, 0.1, 0.1, 0.4]
+    jpeg = [30.0, -10.0, 50.0, 20.0, -40.0, 0.0]
+    weights = {"shapes": 1.0, "jpeg": 0.5}
+    got = per_reward_advantages({"shapes": torch.tensor(shapes, dtype=torch.float64),
+                                 "jpeg": torch.tensor(jpeg, dtype=torch.float64)}, weights, torch.tensor(groups),
+                                global_std=global_std)
+    a, b = _direct_group_advantages(shapes, groups, global_std), _direct_group_advantages(jpeg, groups, global_std)
+    expected = [1.0 * x + 0.5 * y for x, y in zip(a, b)]
+    assert got.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    summed = group_advantages(torch.tensor([s + 0.5 * j for s, j in zip(shapes, jpeg)], dtype=torch.float64),
+                              torch.tensor(groups), global_std=global_std)
+    # in the sum the shapes reward barely moves the ranking: sample 0 (shapes 0.2) outranks sample 1 (0.5) there,
+    # while its own normalised shapes advantage is negative
+    assert summed[0] > summed[1] and a[0] < 0
+
+
+def test_per_reward_training_runs_on_two_rewards(tiny_checkpoint, tmp_path):
+    import json
+
+    from conftest import tiny_config
+    from imagerl.train import train
+
+    train(tiny_config(tiny_checkpoint, tmp_path, "train.advantage=per_reward", "train.num_rollouts=1",
+                      "reward.weights={jpeg_compressibility: 1.0, jpeg_incompressibility: 0.5}"))
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["rollout/advantage_abs_mean"] > 0

@@ -187,6 +187,10 @@ class TrainConfig:
     ema_cap: float = 0.9
     global_std: bool = True
     """Advantage std over the whole rollout (True, flow_grpo Qwen-Image) or per group."""
+    advantage: str = "sum"
+    """"sum": the group advantage of the weighted sum of the rewards (flow_grpo); "per_reward" (GDPO): each reward's
+    group advantage normalised on its own (global_std as set), then weighted and summed, so that a reward with a
+    large spread cannot drown the others (algorithms/advantages.py). Both algorithms."""
 
 
 @dataclass

@@ -112,8 +112,10 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
             with timer("reward"):
                 scored = scoring.collect()
                 rewards = scored.rewards
-                advantages, reward_metrics = rollout_advantages(rewards.total_B, rewards.valid_B, rollout.group_ids_B,
-                                                                world, cfg.train.global_std)
+                per_reward = cfg.train.advantage == "per_reward"  # GDPO: each reward normalised on its own
+                advantages, reward_metrics = rollout_advantages(
+                    rewards.total_B, rewards.valid_B, rollout.group_ids_B, world, cfg.train.global_std,
+                    rewards.components if per_reward else None, cfg.reward.weights if per_reward else None)
                 _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, save)
             with timer("train"), progress_bar(algo.forwards_per_update(plan.batches_per_rank), "  train",
                                               world.is_main, "fwd", False) as pb:

@@ -132,6 +132,8 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         if cfg.eval.interval <= 0 and not cfg.eval.before_training:
             raise ValueError("eval.suites run at evaluations: set eval.interval (and data.test_prompts) or "
                              "eval.before_training=true")
+    if t.advantage not in ("sum", "per_reward"):
+        raise ValueError(f"train.advantage must be 'sum' or 'per_reward', got {t.advantage!r}")
     if cfg.model.lora_init not in ("gaussian", "default"):
         raise ValueError(f"model.lora_init must be 'gaussian' or 'default', got {cfg.model.lora_init!r}")
     if not cfg.reward.weights:

@@ -4,6 +4,11 @@ A_i = (R_i - mean(R_g(i))) / (std + eps), std = population std (ddof 0) of the s
 (global_std=False) or of all rewards of the rollout (global_std=True, the Qwen-Image recipe);
 eps = 1e-4. Size-1 and all-equal groups get advantage 0. Statistics in float64.
 Clipping to +-adv_clip_max happens in the loss, as in flow_grpo.
+
+train.advantage=per_reward (GDPO, group reward-decoupled normalization for several rewards, NVIDIA 2026):
+each reward component's advantage is normalised on its own as above, and the advantage is their weighted sum,
+A_i = sum_n w_n (R_n,i - mean(R_n,g(i))) / (std_n + eps), so that a reward with a large spread cannot drown the
+others (with one reward it equals the sum mode's, w times it).
 """
 
 from __future__ import annotations
@@ -63,6 +68,18 @@ def group_advantages(rewards: torch.Tensor, group_ids, *, global_std: bool, eps:
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
+def per_reward_advantages(components: dict[str, torch.Tensor], weights: dict[str, float], group_ids, *,
+                          global_std: bool, eps: float = 1e-4) -> torch.Tensor:
+    """The weighted sum of each component's own group advantage (float64, 1-D; module docstring)."""
+    if not components:
+        raise ValueError("per-reward advantages need at least one reward component")
+    total = None
+    for name, values in components.items():
+        adv = group_advantages(torch.as_tensor(values, dtype=torch.float64), group_ids, global_std=global_std, eps=eps)
+        total = weights[name] * adv if total is None else total + weights[name] * adv
+    return total
+
+
 @dataclass
 class GroupStats:
     zero_std_ratio: float  # fraction of groups whose rewards are all equal (no learning signal)
@@ -87,8 +104,10 @@ def _unique_first(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rollout_advantages(reward_B: torch.Tensor, valid_B: torch.Tensor, group_ids_B: torch.Tensor, world,
-                       global_std: bool) -> tuple[torch.Tensor, dict[str, float]]:
-    """This rank's advantages from rewards gathered over all ranks, plus reward metrics.
+                       global_std: bool, components_B: dict[str, torch.Tensor] | None = None,
+                       weights: dict[str, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """This rank's advantages from rewards gathered over all ranks, plus reward metrics. With components_B and
+    weights (train.advantage=per_reward) each component is normalised on its own (per_reward_advantages).
 
     Samples whose reward is not finite (valid_B False) get advantage 0 and are left out of every
     statistic; the caller decides whether they are allowed (reward.on_error).
@@ -99,7 +118,10 @@ def rollout_advantages(reward_B: torch.Tensor, valid_B: torch.Tensor, group_ids_
     groups_all = world.all_gather(group_ids_B.to(device)).cpu()
     adv_all = torch.zeros_like(reward_all)
     kept = reward_all[valid_all]
-    if kept.numel():
+    if kept.numel() and components_B is not None:
+        parts = {n: world.all_gather(v.to(device, torch.float64)).cpu()[valid_all] for n, v in components_B.items()}
+        adv_all[valid_all] = per_reward_advantages(parts, weights, groups_all[valid_all], global_std=global_std)
+    elif kept.numel():
         adv_all[valid_all] = group_advantages(kept, groups_all[valid_all], global_std=global_std)
     n = reward_B.numel()
     stats = group_stats(kept, groups_all[valid_all]) if kept.numel() else GroupStats(float("nan"), float("nan"), 0)
