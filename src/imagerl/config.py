@@ -272,6 +272,21 @@ class EvalConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """Drift monitors of each rollout's images (imagerl.monitors: saturation, contrast, edge density, colour entropy,
+    dark / bright fractions, JPEG size), logged as monitor/<name> and monitor/<name>_drift."""
+
+    enabled: bool = True
+    max_drift: float = 3.0
+    """Warn when a monitor's rollout mean moves more than this many of the first rollout's spreads (per-image std)
+    from the first rollout's mean; 0: never warn."""
+    warn_every: int = 20
+    """While a monitor stays past max_drift, repeat its warning every this many rollouts."""
+    stop_on_drift: bool = False
+    """Stop (after saving the state) when a monitor passes max_drift."""
+
+
+@dataclass
 class RunConfig:
     output_dir: str = "runs/{recipe}"
     seed: int = 42
@@ -321,6 +336,7 @@ class Config:
     nft: NFTConfig = field(default_factory=NFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

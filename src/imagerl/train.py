@@ -20,7 +20,7 @@ from imagerl.distributed.fsdp import apply_parallelism, set_deterministic
 from imagerl.distributed.parallel import init_world, resolve_device
 from imagerl.gc_freeze import GCFreeze
 from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
-                             require_wandb, save_image_grid)
+                             read_metrics, require_wandb, save_image_grid)
 from imagerl.perf.memory_estimate import check_memory
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
@@ -101,6 +101,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     maybe_eval = _evaluator(cfg, adapter, algo, save, scorer, test_set, world, run_dir, timer)
     if start == 0 and cfg.eval.before_training:
         logger.log(0, {**maybe_eval(0, force=True), **timer.pop_metrics()})
+    monitor = _drift_monitor(cfg, run_dir, start, world)
     bar = progress_bar(cfg.train.num_rollouts, "rollouts", world.is_main, unit="rollout", initial=start)
     loop_start = time.perf_counter()
 
@@ -128,6 +129,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
             done = step + 1
             metrics = {**reward_metrics, **_component_means(rewards, world), **algo.rollout_metrics(rollout),
                        "time/reward_compute_s": scored.compute_s, **stats.as_metrics()}
+            drifted = monitor(done, rollout.images_B3HW, metrics, bar.write) if monitor else False
             metrics.update(maybe_eval(done))
             gc_freeze.after_iteration(timer)
             metrics.update({**timer.pop_metrics(), **memory_metrics(world.device)})
@@ -142,8 +144,13 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
                 save_image_grid(rollout.images_B3HW[:16], rewards.total_B[:16],
                                 run_dir / "images" / f"rollout_{done:06d}.png", captions=rollout.prompts_B[:16])
                 plot_reward_curve(run_dir)
-            if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts:
-                save(done, cfg.run.keep_checkpoints)
+            if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts or drifted:
+                path = save(done, cfg.run.keep_checkpoints)
+            if drifted:  # monitor.stop_on_drift
+                raise DriftStop(f"rollout {done}: a drift monitor passed monitor.max_drift={cfg.monitor.max_drift:g} "
+                                f"(the warning above) and monitor.stop_on_drift is on; the state is saved in {path}. "
+                                f"Look at {run_dir / 'images'}; continue with --resume {run_dir} "
+                                "monitor.stop_on_drift=false if the change is wanted")
 
     bar.close()
     scoring.close()
@@ -169,6 +176,36 @@ def _warn_if_slow_on_cpu(cfg: Config, world) -> None:
     warning = cpu_rollout_warning(cfg, path, family.name)
     if warning:
         print(f"imagerl: warning: {warning}", file=sys.stderr)
+
+
+class DriftStop(ValueError):
+    """monitor.stop_on_drift stopped the run (a one-line error; the state is saved)."""
+
+
+def _drift_monitor(cfg: Config, run_dir: Path, start: int, world):
+    """monitor(done, images, metrics, write) -> stop?, adding monitor/* to metrics (this rank's images) and writing
+    warnings on rank 0; None when monitor.enabled is off. A resumed run takes its reference (rollout 1's means and
+    spreads) from metrics.jsonl."""
+    from imagerl.monitors import MONITORS, DriftMonitor
+
+    if not cfg.monitor.enabled:
+        return None
+    m = cfg.monitor
+    monitor = DriftMonitor(m.max_drift, m.warn_every, m.stop_on_drift)
+    if start > 0 and (run_dir / "metrics.jsonl").is_file():
+        first = next((r for r in read_metrics(run_dir) if r.get("step") == 1 and "monitor/saturation" in r), None)
+        if first is not None:
+            monitor.load_state({"reference": {n: (first[f"monitor/{n}"], first[f"monitor/{n}_std"]) for n in MONITORS}})
+
+    def observe(done: int, images, metrics: dict, write) -> bool:
+        values, warnings, stop = monitor.observe(done, images)
+        metrics.update(values)
+        if world.is_main:
+            for line in warnings:
+                write(f"imagerl: warning: {line}")
+        return stop
+
+    return observe
 
 
 def _report_cpu_rollout_time(cfg: Config, adapter, world) -> None:
