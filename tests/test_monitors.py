@@ -1,6 +1,7 @@
-"""Drift monitors against hand-computed values on synthetic images, and the warning / stop rule."""
+"""Drift monitors against hand-computed values on synthetic images, and the warning / stop rule; run.keep_best."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -78,3 +79,31 @@ def test_training_logs_the_monitors_and_stop_on_drift_saves_then_stops(tiny_chec
                       "run.checkpoint_every=10"), resume="latest")
     resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert resumed["step"] == 3 and resumed["monitor/contrast_drift"] != 0.0  # measured against rollout 1
+
+
+def test_keep_best_keeps_the_best_evaluation_beside_the_latest_and_survives_resume(tiny_checkpoint, tmp_path,
+                                                                                     capsys):
+    """keep_checkpoints=1 with evaluations every rollout: the best held-out value's checkpoint stays while older ones
+    go; a resume continues comparing with the recorded best; report names it."""
+    import json
+
+    from conftest import tiny_config
+    from imagerl.checkpoint import read_best
+    from imagerl.cli import main
+    from imagerl.train import train
+
+    run = tmp_path / "run"
+    common = ["eval.interval=1", "eval.num_steps=2", "data.test_prompts=split", "eval.max_prompts=2",
+              "run.keep_checkpoints=1", "run.checkpoint_every=1", "run.keep_best=eval/reward/raw_mean",
+              "train.lr=0.05"]
+    train(tiny_config(tiny_checkpoint, run, "train.num_rollouts=2", *common))
+    train(tiny_config(tiny_checkpoint, run, "train.num_rollouts=4", *common), resume="latest")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    values = {r["step"]: r["eval/reward/raw_mean"] for r in records if "eval/reward/raw_mean" in r}
+    best_step = max(values, key=values.get)
+    best = read_best(run)
+    assert best["step"] == best_step and best["value"] == values[best_step]
+    kept = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert kept == sorted({f"step_{best_step:06d}", "step_000004"})
+    assert main(["report", str(run)]) == 0
+    assert re.search(rf"best checkpoint\s+step_{best_step:06d}\s+\(eval/reward/raw_mean", capsys.readouterr().out)

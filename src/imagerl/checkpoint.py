@@ -149,7 +149,7 @@ def _commit(run_dir: Path, step: int, final: Path, tmp: Path, module, optimizer,
                             f"{_last_intact(run_dir)}. Free space, then continue with --resume latest") from None
     if world.is_main:
         _swap_into_place(tmp, final)
-        _prune(run_dir, keep)
+        prune_checkpoints(run_dir, keep)
     world.barrier()
     return final
 
@@ -336,10 +336,44 @@ def save_model_dir(base: Path, transformer, out: Path, link: bool) -> Path:
     return out
 
 
-def _prune(run_dir: Path, keep: int) -> None:
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Remove all but the latest `keep` checkpoints and run.keep_best's (rank 0)."""
     done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+    best = read_best(run_dir)  # run.keep_best: the best checkpoint stays beside the latest `keep`
     for old in done[:-keep] if keep > 0 else []:
-        _rmtree(old)
+        if best is None or old.name != best["checkpoint"]:
+            _rmtree(old)
+
+
+BEST_FILE = "best.json"
+
+
+def read_best(run_dir: Path) -> dict | None:
+    """<run>/checkpoints/best.json (run.keep_best): metric, mode, value, step, checkpoint; None without one."""
+    path = Path(run_dir) / "checkpoints" / BEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        best = json.loads(path.read_text())
+        return best if isinstance(best, dict) and isinstance(best.get("checkpoint"), str) else None
+    except (json.JSONDecodeError, OSError):
+        return None
+
+
+def is_new_best(run_dir: Path, metric: str, mode: str, value: float) -> bool:
+    """Whether `value` of `metric` beats the recorded best (a recorded best of another metric or mode does not count)."""
+    best = read_best(run_dir)
+    if best is None or best.get("metric") != metric or best.get("mode") != mode:
+        return True
+    return value > best["value"] if mode == "max" else value < best["value"]
+
+
+def write_best(run_dir: Path, metric: str, mode: str, value: float, step: int) -> None:
+    path = Path(run_dir) / "checkpoints" / BEST_FILE
+    record = {"metric": metric, "mode": mode, "value": value, "step": step, "checkpoint": f"step_{step:06d}"}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(path)  # atomic: a kill leaves the old record or the new one
 
 
 def recover_interrupted(run_dir: Path) -> None:

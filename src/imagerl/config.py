@@ -293,6 +293,12 @@ class RunConfig:
     checkpoint_every: int = 10
     """Rollouts between checkpoints (the last rollout is always saved)."""
     keep_checkpoints: int = 3
+    keep_best: str = ""
+    """A held-out metric (e.g. eval/reward/raw_mean, eval/suite/shapes/overall): the checkpoint of its best value is
+    kept beside the latest keep_checkpoints (a checkpoint is written at each new best; checkpoints/best.json names
+    it, and imagerl report shows it). Empty: off."""
+    keep_best_mode: str = "max"
+    """"max" (rewards) or "min"."""
     image_grid_every: int = 10
     """Rollouts between sample-image grids written to <output_dir>/images (0: never)."""
     tensorboard: bool = True

@@ -94,9 +94,9 @@ def measured_rollout_message(adapter, cfg, ranks: int = 1) -> tuple[str, bool]:
     seconds = measured_rollout_seconds(adapter, cfg, ranks)
     images = cfg.sample.prompts_per_rollout * cfg.sample.group_size
     total = seconds * cfg.train.num_rollouts
-    line = (f"one rollout of {images} images at {cfg.sample.height}x{cfg.sample.width} px takes about "
+    line = (f"one rollout of {images} images at {cfg.sample.height}x{cfg.sample.width} px takes "
             f"{_duration(seconds)} on this CPU ({cfg.train.num_rollouts} rollout{'s' if cfg.train.num_rollouts != 1 else ''}: "
-            f"about {_duration(total)}; timed "
+            f"{_duration(total)}; timed "
             "from a forward and a decode, rewards and evaluation not counted)")
     if seconds <= WARN_ABOVE_S:
         return line, False
@@ -106,9 +106,9 @@ def measured_rollout_message(adapter, cfg, ranks: int = 1) -> tuple[str, bool]:
 def _duration(seconds: float) -> str:
     hours = seconds / 3600
     if hours >= 48:
-        return f"{hours / 24:.0f} days"
+        return f"about {hours / 24:.0f} days"
     if hours >= 1:
-        return f"{hours:.1f} hours"
+        return f"about {hours:.1f} hours"
     if seconds < 1:
         return "under a second"
-    return f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} s"
+    return f"about {seconds / 60:.0f} minutes" if seconds >= 90 else f"about {seconds:.0f} s"

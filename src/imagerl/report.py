@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imagerl.checkpoint import read_best
 from imagerl.metrics import PHASES, plot_phases, plot_rewards, read_metrics
 
 TRAIN_REWARD = "rollout/reward/raw_mean"
@@ -34,6 +35,7 @@ class RunSummary:
     log_prob_diff_max: float | None
     failed_rewards: int
     checkpoints: list[str] = field(default_factory=list)
+    best: dict | None = None  # run.keep_best's checkpoints/best.json
 
 
 def _is_number(v) -> bool:
@@ -104,6 +106,7 @@ def summarize(run_dir: str | Path, records: list[dict] | None = None) -> RunSumm
         best_eval=max(evals, key=lambda x: x[1]) if evals else None,
         phase_seconds=phase_seconds, images_per_s=sum(ips) / len(ips) if ips else None, peak_memory_gib=memory,
         log_prob_diff_max=max(diffs) if diffs else None, failed_rewards=failed, checkpoints=checkpoints,
+        best=read_best(run_dir),
     )
 
 
@@ -136,6 +139,9 @@ def format_summary(s: RunSummary) -> str:
         rows.append(("log_prob_mean_abs_diff, max", f"{s.log_prob_diff_max:.3g}"))
     rows.append(("failed rewards (all rollouts)", str(s.failed_rewards)))
     rows.append(("checkpoints", ", ".join(s.checkpoints) or "none"))
+    if s.best is not None:
+        rows.append(("best checkpoint", f"{s.best['checkpoint']}  ({s.best['metric']} {s.best['value']:.4g}, "
+                                        f"{s.best['mode']})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

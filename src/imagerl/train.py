@@ -11,7 +11,8 @@ import torch
 from imagerl.algorithms import make_algorithm
 from imagerl.algorithms.advantages import rollout_advantages
 from imagerl.algorithms.flow_grpo import NonFiniteError
-from imagerl.checkpoint import check_resume_config, load_checkpoint, read_state, resolve_resume, save_checkpoint
+from imagerl.checkpoint import (check_resume_config, is_new_best, load_checkpoint, prune_checkpoints, read_state,
+                                resolve_resume, save_checkpoint, write_best)
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
 from imagerl.console import format_duration, quiet_library_progress
@@ -144,8 +145,12 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
                 save_image_grid(rollout.images_B3HW[:16], rewards.total_B[:16],
                                 run_dir / "images" / f"rollout_{done:06d}.png", captions=rollout.prompts_B[:16])
                 plot_reward_curve(run_dir)
-            if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts or drifted:
+            best = _is_new_best(cfg, run_dir, metrics, world)  # run.keep_best
+            if done % cfg.run.checkpoint_every == 0 or done == cfg.train.num_rollouts or drifted or best:
                 path = save(done, cfg.run.keep_checkpoints)
+            if best and world.is_main:  # after the checkpoint is complete; then the previous best may go
+                write_best(run_dir, cfg.run.keep_best, cfg.run.keep_best_mode, metrics[cfg.run.keep_best], done)
+                prune_checkpoints(run_dir, cfg.run.keep_checkpoints)
             if drifted:  # monitor.stop_on_drift
                 raise DriftStop(f"rollout {done}: a drift monitor passed monitor.max_drift={cfg.monitor.max_drift:g} "
                                 f"(the warning above) and monitor.stop_on_drift is on; the state is saved in {path}. "
@@ -176,6 +181,18 @@ def _warn_if_slow_on_cpu(cfg: Config, world) -> None:
     warning = cpu_rollout_warning(cfg, path, family.name)
     if warning:
         print(f"imagerl: warning: {warning}", file=sys.stderr)
+
+
+def _is_new_best(cfg: Config, run_dir: Path, metrics: dict, world) -> bool:
+    """run.keep_best: this rollout's evaluation beats the recorded best (the same answer on every rank)."""
+    import math
+
+    value = metrics.get(cfg.run.keep_best) if cfg.run.keep_best else None
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    flag = torch.tensor([float(world.is_main and is_new_best(run_dir, cfg.run.keep_best, cfg.run.keep_best_mode,
+                                                              value))], device=world.device)
+    return bool(world.all_reduce_mean_(flag).item() > 0)  # rank 0 decides (it reads best.json)
 
 
 class DriftStop(ValueError):

@@ -132,6 +132,14 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         if cfg.eval.interval <= 0 and not cfg.eval.before_training:
             raise ValueError("eval.suites run at evaluations: set eval.interval (and data.test_prompts) or "
                              "eval.before_training=true")
+    if cfg.run.keep_best:
+        if not cfg.run.keep_best.startswith("eval/"):
+            raise ValueError(f"run.keep_best={cfg.run.keep_best!r} must be a held-out metric (eval/...), e.g. "
+                             "eval/reward/raw_mean")
+        if cfg.eval.interval <= 0:
+            raise ValueError("run.keep_best needs evaluations: set eval.interval (and data.test_prompts or eval.suites)")
+        if cfg.run.keep_best_mode not in ("max", "min"):
+            raise ValueError(f"run.keep_best_mode must be 'max' or 'min', got {cfg.run.keep_best_mode!r}")
     if t.advantage not in ("sum", "per_reward"):
         raise ValueError(f"train.advantage must be 'sum' or 'per_reward', got {t.advantage!r}")
     if cfg.model.lora_init not in ("gaussian", "default"):
