@@ -105,8 +105,8 @@ def test_quickstart_learns_on_held_out_prompts(tmp_path):
     assert curve[20] - curve[0] > GAIN_MARGIN, curve
 
 
-# quickstart_grpo (Flow-GRPO) after its first 20 rollouts, seeds 42 / 1 / 2: see RESULTS.md "Flow-GRPO on the
-# quickstart" (+0.0295 and +0.0247 for seeds 1 and 2); lr 0: exactly 0. The seeds spread as much as they gain, so the
+# quickstart_grpo (Flow-GRPO, same initial noise) after its first 20 rollouts, seeds 1 / 2 / 42: +0.0481 / +0.0241 /
+# +0.0378 (RESULTS.md "Flow-GRPO on the quickstart"); lr 0: exactly 0. The seeds spread as much as they gain, so the
 # margin is half the smallest gain: still far above 0, which a broken update (or lr 0) gives.
 GRPO_GAIN_MARGIN = 0.012
 
