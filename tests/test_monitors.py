@@ -88,7 +88,7 @@ def test_keep_best_keeps_the_best_evaluation_beside_the_latest_and_survives_resu
     import json
 
     from conftest import tiny_config
-    from imagerl.checkpoint import read_best
+    from imagerl.best_checkpoint import read_best
     from imagerl.cli import main
     from imagerl.train import train
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imagerl.checkpoint import read_best
+from imagerl.best_checkpoint import read_best
 from imagerl.metrics import PHASES, plot_phases, plot_rewards, read_metrics
 
 TRAIN_REWARD = "rollout/reward/raw_mean"

@@ -11,8 +11,9 @@ import torch
 from imagerl.algorithms import make_algorithm
 from imagerl.algorithms.advantages import rollout_advantages
 from imagerl.algorithms.flow_grpo import NonFiniteError
-from imagerl.checkpoint import (check_resume_config, is_new_best, load_checkpoint, prune_checkpoints, read_state,
-                                resolve_resume, save_checkpoint, write_best)
+from imagerl.best_checkpoint import is_new_best, write_best
+from imagerl.checkpoint import (check_resume_config, load_checkpoint, prune_checkpoints, read_state, resolve_resume,
+                                save_checkpoint)
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
 from imagerl.console import format_duration, quiet_library_progress
