@@ -46,7 +46,7 @@ def test_a_gpu_recipe_on_a_cpu_says_so_with_a_measured_time(tiny_checkpoint):
     adapter = load_adapter(cfg, World(0, 1, resolve_device("cpu")))
     resolve_family_defaults(cfg, adapter)
     line, slow = measured_rollout_message(adapter, cfg)
-    # 512 images at 512 px, 10 steps with CFG and 2 trained steps: minutes on a CPU even for the tiny model
+    # 512 images at 512 px, 10 steps with CFG and 2 trained steps, 300 rollouts: hours on a CPU even for the tiny model
     assert slow and "one rollout of 512 images at 512x512 px" in line and "meant for a GPU" in line, line
     small = load_config(TINY_RECIPE, [f"model.path={tiny_checkpoint}", "model.device=cpu", "sample.height=64",
                                       "sample.width=64", "sample.prompts_per_rollout=2", "sample.group_size=2"])

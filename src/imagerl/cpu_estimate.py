@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 WARN_ABOVE_S = 600.0  # a rollout longer than this on a CPU is worth a warning
+WARN_RUN_ABOVE_S = 2 * 3600.0  # and so is a run longer than this (the quickstart: 5 minutes)
 TEXT_TOKENS = 64
 
 
@@ -98,7 +99,7 @@ def measured_rollout_message(adapter, cfg, ranks: int = 1) -> tuple[str, bool]:
             f"{_duration(seconds)} on this CPU ({cfg.train.num_rollouts} rollout{'s' if cfg.train.num_rollouts != 1 else ''}: "
             f"{_duration(total)}; timed "
             "from a forward and a decode, rewards and evaluation not counted)")
-    if seconds <= WARN_ABOVE_S:
+    if seconds <= WARN_ABOVE_S and total <= WARN_RUN_ABOVE_S:
         return line, False
     return line + "; this recipe is meant for a GPU (model.device=cuda), or try the CPU quickstart: imagerl train", True
 
