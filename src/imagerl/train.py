@@ -221,7 +221,10 @@ def _drift_monitor(cfg: Config, run_dir: Path, start: int, world):
         if world.is_main:
             for line in warnings:
                 write(f"imagerl: warning: {line}")
-        return stop
+        # each rank watches its own images: stop when any rank's monitor says so, every rank alike (the save is
+        # collective, so ranks deciding apart would wait on each other)
+        flag = torch.tensor([float(stop)], device=world.device)
+        return bool(world.all_reduce_mean_(flag).item() > 0)
 
     return observe
 
