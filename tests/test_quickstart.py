@@ -103,6 +103,11 @@ def test_quickstart_learns_on_held_out_prompts(tmp_path):
     assert sorted(curve) == [0, 20]
     assert curve[0] == pytest.approx(0.3901, abs=2e-4)  # the shipped model before training (RESULTS.md)
     assert curve[20] - curve[0] > GAIN_MARGIN, curve
+    # eval.suites: [shapes] on the same images: GenEval's overall (the mean of 6 categories' pass rates) before
+    # training is 0.3186 (docs/evaluation.md), and each evaluation has every category
+    suite = [r for r in records if "eval/suite/shapes/overall" in r]
+    assert [r["step"] for r in suite] == [0, 20] and suite[0]["eval/suite/shapes/overall"] == pytest.approx(0.3186, abs=2e-4)
+    assert all(len([k for k in r if k.startswith("eval/suite/shapes/")]) == 7 for r in suite)
 
 
 # quickstart_grpo (Flow-GRPO, same initial noise) after its first 20 rollouts, seeds 1 / 2 / 42: +0.0481 / +0.0241 /

@@ -113,3 +113,32 @@ def test_training_runs_its_suites_at_each_evaluation_and_report_shows_them(tiny_
     assert "suite shapes" in out and "overall" in out
     with pytest.raises(ValueError, match="unknown suite 'nope'"):
         train(tiny_config(tiny_checkpoint, tmp_path / "bad", "eval.suites=[nope]", "eval.interval=1"))
+
+
+def test_a_suite_on_the_held_out_images_scores_them_instead_of_sampling_again(tiny_checkpoint, tmp_path, monkeypatch):
+    """The quickstart's case: the held-out set is the shapes suite's prompts with its 4 images each, so the suite is
+    scored on the held-out evaluation's images (no second sampling) and equals `imagerl eval --suite shapes` with the
+    same settings (before training the LoRA is zero: the base model)."""
+    from conftest import tiny_config
+
+    from imagerl import evaluation
+    from imagerl.train import train
+
+    calls = []
+    real = evaluation.generate_and_score
+    monkeypatch.setattr(evaluation, "generate_and_score", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    run = tmp_path / "run"
+    train(tiny_config(tiny_checkpoint, run, "train.num_rollouts=1", "eval.interval=1", "eval.before_training=true",
+                      "eval.num_steps=2", "eval.suites=[shapes]", "data.train_prompts=shapes-train",
+                      "data.test_prompts=shapes-test",
+                      "data.test_samples_per_prompt=4", "eval.max_prompts=12", "eval.suite_max_prompts=3",
+                      "reward.weights={shapes: 1.0}", "sample.guidance_scale=1"))
+    assert calls == [12, 12]  # one sampling of the 3 x 4 held-out images per evaluation, none for the suite
+    first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][0]
+    assert first["step"] == 0 and "time/suite_shapes_s" not in first
+
+    assert main(["eval", "--suite", "shapes", "--model", str(tiny_checkpoint), "--max-prompts", "3", "--steps", "2",
+                 "--height", "64", "--width", "64", "--guidance", "1", "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "suite_shapes.json").read_text())["rows"]
+    assert rows and {f"eval/suite/shapes/{r['measure']}": r["models"]["base"]["mean"] for r in rows} == {
+        k: v for k, v in first.items() if k.startswith("eval/suite/shapes/")}

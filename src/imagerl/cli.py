@@ -28,11 +28,12 @@ def _train(args) -> int:
             cfg.run.output_dir = args.output_dir
     run_dir = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if (run_dir / "metrics.jsonl").is_file():
-        from imagerl.report import format_eval_table, load_run
+        from imagerl.report import format_eval_table, format_suite_tables, load_run
 
-        table = format_eval_table(load_run(run_dir))
-        if table:
-            print(table)
+        records = load_run(run_dir)
+        for table in (format_eval_table(records), format_suite_tables(records)):
+            if table:
+                print(table)
     print(f"done: {run_dir} (metrics.jsonl, tensorboard/, images/, checkpoints/, plots/reward.png); "
           f"summary: imagerl report {run_dir}")
     return 0

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from imagerl.data import PromptSet, rank_block
@@ -48,7 +49,8 @@ class EvalResult:
     """Everything one evaluation produced, identical on every rank except `errors` and `grid_images_B3HW`.
 
     total_N / components (name -> (N,)) float64 and valid_N bool are per test prompt in test-set order
-    (NaN where a reward failed); grid_images_B3HW: the first min(16, N) images (rank 0 only, else None)."""
+    (NaN where a reward failed); grid_images_B3HW: the first min(16, N) images (rank 0 only, else None);
+    extra: name -> (N, width) float64, the tables of run_evaluation's extra_columns on the same images."""
 
     metrics: dict[str, float]
     settings: EvalSettings
@@ -58,6 +60,7 @@ class EvalResult:
     valid_N: torch.Tensor
     errors: list[str] = field(default_factory=list)
     grid_images_B3HW: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def eval_settings(cfg, adapter, test_set: PromptSet) -> EvalSettings:
@@ -77,11 +80,12 @@ def eval_noise(adapter, seed: int, indices, height: int, width: int) -> torch.Te
 
 @torch.no_grad()
 def run_evaluation(adapter, scorer, test_set: PromptSet, cfg, world: World, progress: bool = True,
-                   reward_names: list[str] | None = None) -> EvalResult:
+                   reward_names: list[str] | None = None, extra_columns: dict | None = None) -> EvalResult:
     """Sample and score this rank's block of the test prompts, gather the rewards of all ranks.
 
     reward_names: the components to report (default: the names in cfg.reward.weights, the rewards the
-    scorer was built from). With reward.on_error=error a failed or non-finite reward raises RewardError
+    scorer was built from). extra_columns: name -> (width, score(images_B3HW, prompts, metadata) -> (B, width)),
+    more measures of the same images (an evaluation suite whose images these are), in EvalResult.extra. With reward.on_error=error a failed or non-finite reward raises RewardError
     on every rank (after the gather, so no rank is left waiting); with skip it is counted."""
     start_time = time.perf_counter()
     settings = eval_settings(cfg, adapter, test_set)
@@ -90,12 +94,19 @@ def run_evaluation(adapter, scorer, test_set: PromptSet, cfg, world: World, prog
         raise ValueError("the held-out prompt set is empty")
     names = list(reward_names if reward_names is not None else cfg.reward.weights)
     errors: list[str] = []
-    table, grid = generate_and_score(
-        adapter, test_set.prompts[:n], test_set.metadata, settings, world,
-        lambda images, prompts, metadata: _score_rows(scorer, images, prompts, metadata, names, errors),
-        2 + len(names), grid_count=min(GRID_IMAGES, n), progress=progress)
+    extra_columns = extra_columns or {}
+
+    def score(images, prompts, metadata):
+        rows = _score_rows(scorer, images, prompts, metadata, names, errors)
+        return torch.cat([rows, *(fn(images, prompts, metadata) for _, fn in extra_columns.values())], dim=1)
+
+    widths = [w for w, _ in extra_columns.values()]
+    table, grid = generate_and_score(adapter, test_set.prompts[:n], test_set.metadata, settings, world, score,
+                                     2 + len(names) + sum(widths), grid_count=min(GRID_IMAGES, n), progress=progress)
     total, valid = table[:, 0], table[:, 1] == 1
     components = {name: table[:, 2 + j] for j, name in enumerate(names)}
+    bounds = np.cumsum([2 + len(names), *widths]).tolist()
+    extra = {name: table[:, a:b] for name, a, b in zip(extra_columns, bounds, bounds[1:])}
 
     failed = int((~valid).sum())
     if failed and cfg.reward.on_error == "error":
@@ -113,7 +124,7 @@ def run_evaluation(adapter, scorer, test_set: PromptSet, cfg, world: World, prog
     metrics["eval/reward/failed_count"] = failed
     metrics["eval/num_prompts"] = n
     metrics["time/eval_s"] = time.perf_counter() - start_time
-    return EvalResult(metrics, settings, list(test_set.prompts[:n]), total, components, valid, errors, grid)
+    return EvalResult(metrics, settings, list(test_set.prompts[:n]), total, components, valid, errors, grid, extra)
 
 
 @torch.no_grad()
@@ -211,12 +222,16 @@ def _gather_grid(kept: list[torch.Tensor], n: int, grid_count: int, world: World
 
 
 def evaluate(adapter, scorer, test_set: PromptSet, cfg, world: World, step: int, run_dir: Path | None = None,
-             progress: bool = True) -> dict[str, float]:
+             progress: bool = True, suites=None) -> dict[str, float]:
     """Held-out metrics (eval/reward/raw_mean, raw_std, <name>_mean, failed_count, eval/num_prompts, time/eval_s),
     the same on every rank. On rank 0 with run_dir: a grid of the first 16 images with prompts and rewards
     at run_dir/images/eval_<step:06d>.png, and beside it eval_<step:06d>.json with every held-out prompt in full
-    and its rewards. Leaves the adapter in eval mode."""
-    result = run_evaluation(adapter, scorer, test_set, cfg, world, progress=progress)
+    and its rewards. suites (suites.run.TrainingSuites): those whose images are the held-out ones are measured on
+    them, their metrics added. Leaves the adapter in eval mode."""
+    columns = suites.held_out_columns() if suites is not None else {}
+    result = run_evaluation(adapter, scorer, test_set, cfg, world, progress=progress, extra_columns=columns)
+    if columns:
+        result.metrics.update(suites.held_out_metrics(result.extra))
     if world.is_main and run_dir is not None:
         grid = save_eval_grid(result, Path(run_dir) / "images" / f"eval_{step:06d}.png")
         if grid is not None:  # the full prompts (the grid cuts them at 3 lines) and every held-out reward

@@ -272,11 +272,13 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
             held_out = (f"{eval_settings(cfg, adapter, test_set).num_prompts} held-out prompts"
                         if test_set is not None else "")
             print(f"evaluating after rollout {done}: " + ", ".join(
-                filter(None, [held_out, *(f"suite {n}" for n in cfg.eval.suites)])), flush=True)
+                filter(None, [held_out, *(f"suite {n}" + (" (on those images)" if n in suites.on_held_out else "")
+                                          for n in cfg.eval.suites)])), flush=True)
         try:
             with timer("eval"), algo.evaluation_weights():
                 metrics = {} if test_set is None else evaluate(adapter, scorer, test_set, cfg, world, done,
-                                                               run_dir=run_dir if world.is_main else None)
+                                                               run_dir=run_dir if world.is_main else None,
+                                                               suites=suites)
                 return {**metrics, **(suites(adapter, done, run_dir) if suites else {})}
         except RewardError as e:
             where = ""

@@ -207,37 +207,65 @@ def check_suite_names(names: list[str]) -> None:
 
 
 class TrainingSuites:
-    """eval.suites during training: each suite built once, run on the current weights at every evaluation."""
+    """eval.suites during training: each suite built once, run on the current weights at every evaluation. A suite
+    whose images are the held-out evaluation's (the same prompts in the same order, K images each: the quickstart's
+    shapes-test x 4 and the shapes suite) is measured on those images (held_out_columns) instead of sampling again;
+    the settings are the held-out evaluation's (eval_settings) either way, so image i*K+k has the same noise."""
 
     def __init__(self, cfg, world, test_set=None):
         self.cfg, self.world = cfg, world
         self.suites = [build_suite(name, test_set if name.startswith("reward:") else None, cfg.reward,
                                    world.device) for name in cfg.eval.suites]
+        self.expanded = {s.name: expand(s, s.images_per_prompt, cfg.eval.suite_max_prompts) for s in self.suites}
+        self.on_held_out = {s.name for s in self.suites if s.score is not None and test_set is not None
+                            and self._same_images(s, test_set)}
+
+    def _same_images(self, suite: Suite, test_set) -> bool:
+        n_held_out = len(test_set) if self.cfg.eval.max_prompts <= 0 else min(self.cfg.eval.max_prompts, len(test_set))
+        _, prompts, metadata, _ = self.expanded[suite.name]
+        held_out_meta = test_set.metadata or [{} for _ in range(n_held_out)]
+        return (prompts == list(test_set.prompts[:n_held_out])
+                and [{k: v for k, v in m.items() if k != IMAGE_KEY} for m in metadata] == held_out_meta[:n_held_out])
+
+    def held_out_columns(self) -> dict:
+        """evaluation.run_evaluation's extra_columns: the suites measured on the held-out images."""
+        return {s.name: (len(s.measures), s.score) for s in self.suites if s.name in self.on_held_out}
+
+    def held_out_metrics(self, tables: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {k: v for s in self.suites if s.name in tables
+                for k, v in self._metrics(s, per_prompt(tables[s.name], self.expanded[s.name][0],
+                                                        s.images_per_prompt)).items()}
 
     def __call__(self, adapter, step: int, run_dir: Path | None) -> dict[str, float]:
-        from imagerl.evaluation import EvalSettings, generate_and_score
+        """The suites not measured on the held-out images, each sampled and scored now."""
+        import dataclasses
 
-        e, s = self.cfg.eval, self.cfg.sample
-        guidance = e.guidance_scale if e.guidance_scale is not None else s.guidance_scale
+        from imagerl.evaluation import eval_settings, generate_and_score
+
         metrics = {}
         for suite in self.suites:
-            k = suite.images_per_prompt
-            n, prompts, metadata, rows = expand(suite, k, e.suite_max_prompts)
-            settings = EvalSettings(e.num_steps, float(guidance if guidance is not None else
-                                                       adapter.default_guidance_scale),
-                                    s.height, s.width, e.seed, e.batch_size, s.negative_prompt, len(prompts),
-                                    s.max_sequence_length)
+            if suite.name in self.on_held_out:
+                continue
+            n, prompts, metadata, rows = self.expanded[suite.name]
+            settings = dataclasses.replace(eval_settings(self.cfg, adapter, suite.prompt_set),
+                                           num_prompts=len(prompts))
             folder = Path(run_dir or ".") / "suites" / suite.name / f"step_{step:06d}"
             score = suite.score or _layout_writer(suite, folder, rows)
             start = time.perf_counter()
             table, _ = generate_and_score(adapter, prompts, metadata, settings, self.world, score,
                                           max(1, len(suite.measures)), desc=suite.name)
-            scores = per_prompt(table, n, k)
-            for c, measure in enumerate(suite.measures):
-                values = scores[:, c][np.isfinite(scores[:, c])]
-                if values.size:
-                    metrics[f"eval/suite/{suite.name}/{measure}"] = float(values.mean())
-            if suite.overall:
-                metrics[f"eval/suite/{suite.name}/overall"] = float(category_mean(scores[None], axis=1)[0])
+            metrics.update(self._metrics(suite, per_prompt(table, n, suite.images_per_prompt)))
             metrics[f"time/suite_{suite.name}_s"] = time.perf_counter() - start
+        return metrics
+
+    @staticmethod
+    def _metrics(suite: Suite, scores: np.ndarray) -> dict[str, float]:
+        """eval/suite/<suite>/<measure>: each measure's mean over the prompts it applies to; overall."""
+        metrics = {}
+        for c, measure in enumerate(suite.measures):
+            values = scores[:, c][np.isfinite(scores[:, c])]
+            if values.size:
+                metrics[f"eval/suite/{suite.name}/{measure}"] = float(values.mean())
+        if suite.overall:
+            metrics[f"eval/suite/{suite.name}/overall"] = float(category_mean(scores[None], axis=1)[0])
         return metrics
