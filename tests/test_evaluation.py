@@ -204,6 +204,32 @@ def test_evaluate_is_deterministic_and_equals_the_pipeline(tiny_checkpoint, adap
     assert [r["reward"] for r in record["samples"]] == pytest.approx(result.total_N.tolist(), rel=1e-12)
 
 
+def test_scoring_in_a_background_thread_gives_the_same_table_in_order(tiny_checkpoint, adapter):
+    """overlap=True (the GPU default) scores each batch in a thread while the next samples: the table is the one
+    scored in line, row for row, and every batch was scored in the thread (a slow scorer does not reorder rows)."""
+    import threading
+    import time as time_module
+
+    from imagerl.evaluation import EvalSettings, generate_and_score
+
+    world = World(0, 1, torch.device("cpu"))
+    settings = EvalSettings(2, 1.0, 64, 64, 3, 1, " ", 5)
+    threads = []
+
+    def score(images, prompts, metadata):
+        threads.append(threading.current_thread().name)
+        time_module.sleep(0.05 if len(threads) == 1 else 0)  # the first batch finishes last
+        return torch.stack([images.mean(dim=(1, 2, 3)).double(), torch.tensor([len(p) for p in prompts]).double()], 1)
+
+    inline, _ = generate_and_score(adapter, PROMPTS.prompts, PROMPTS.metadata, settings, world, score, 2,
+                                   progress=False, overlap=False)
+    threads.clear()
+    overlapped, _ = generate_and_score(adapter, PROMPTS.prompts, PROMPTS.metadata, settings, world, score, 2,
+                                       progress=False, overlap=True)
+    assert torch.equal(overlapped, inline) and inline.shape == (5, 2)
+    assert len(threads) == 5 and all(t.startswith("eval-score") for t in threads)
+
+
 def test_eval_settings_seed_max_prompts_and_guidance(tiny_checkpoint, adapter, tmp_path):
     world = World(0, 1, torch.device("cpu"))
     cfg = _eval_cfg(tiny_checkpoint, tmp_path, "eval.max_prompts=2", "eval.guidance_scale=1.0", "eval.seed=5")

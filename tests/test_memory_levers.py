@@ -114,3 +114,32 @@ def test_training_with_both_levers_is_the_same_run(tiny_checkpoint, tmp_path):
     levers = run("levers", "model.text_encoder_offload=true", "model.checkpoint_blocks=1")
     assert levers == plain
     assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in levers)
+
+
+def test_decode_batch_size_decodes_in_chunks_and_changes_nothing_else(tiny_checkpoint, tmp_path, monkeypatch):
+    """sample.decode_batch_size=1: the VAE sees one image at a time (tiny_config: training batches of 2). The images
+    are those of decoding a training batch at once up to the convolutions' rounding per batch size, so the JPEG
+    rewards agree to a byte's worth (1e-4) and the replay stays exact; negative sizes are refused."""
+    from imagerl.families.qwen_image import QwenImageFamily
+    from imagerl.train import train
+    from imagerl.validation import validate
+
+    sizes = []
+    real = QwenImageFamily.decode
+    monkeypatch.setattr(QwenImageFamily, "decode", lambda self, x, h, w: sizes.append(x.shape[0]) or real(self, x, h, w))
+
+    def run(name, *overrides):
+        sizes.clear()
+        train(tiny_config(tiny_checkpoint, tmp_path / name, *overrides))
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k.startswith(("train/", "rollout/reward/"))} for r in records], list(sizes)
+
+    plain, plain_sizes = run("plain")
+    chunked, chunked_sizes = run("chunked", "sample.decode_batch_size=1")
+    # the first decode is the CPU time estimate's (cpu_estimate.py: one rollout batch), then the two rollouts' 8 images
+    assert plain_sizes[1:] == [2] * 4 and chunked_sizes[1:] == [1] * 8
+    assert [r["rollout/reward/raw_mean"] for r in chunked] == pytest.approx(
+        [r["rollout/reward/raw_mean"] for r in plain], abs=1e-4)
+    assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in chunked)
+    with pytest.raises(ValueError, match="sample.decode_batch_size must be >= 0"):
+        validate(tiny_config(tiny_checkpoint, tmp_path, "sample.decode_batch_size=-1"))

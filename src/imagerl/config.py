@@ -126,6 +126,11 @@ class SampleConfig:
     """Samples per rollout forward per rank (CFG doubles the rows), at most: above a rank's samples per rollout it
     is lowered to them (and train.batch_size, if larger, to it). The SDE-window steps run in sub-batches of
     train.batch_size, the batches the training forwards replay."""
+    decode_batch_size: int = 0
+    """Images per VAE decode (0: train.batch_size). The float32 VAE decoder keeps about 6.5 kB of activations per
+    pixel (1.6 GiB per 512 x 512 image, perf/memory_estimate.py), so decoding a training batch of 8 takes 13 GiB at
+    the rollout's peak; decoding 2 at a time frees 10 of them for a few percent of the decode's speed. Each chunk
+    is scored as soon as it is decoded. Decoding is never replayed: the log-probs do not depend on it."""
     same_initial_noise: bool = False
     """All K samples of a group start from the same initial noise (flow_grpo's `sample.same_latent`): the
     group's rewards then differ only through the SDE window's noise, the part the update credits."""

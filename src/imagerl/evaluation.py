@@ -15,6 +15,7 @@ the same metrics.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,20 @@ class EvalSettings:
     negative_prompt: str
     num_prompts: int
     max_sequence_length: int = 512
+    decode_batch_size: int = 0  # images per VAE decode; 0: as many as make DECODE_PIXELS (512 px: 4, 1024 px: 1)
+
+
+# pixels per VAE decode by default: the float32 decoder keeps ~6.5 kB per pixel (perf/memory_estimate.py), so 2^20
+# pixels take ~6.4 GiB whatever the evaluation's batch
+DECODE_PIXELS = 2**20
+
+
+def decode_in_chunks(adapter, latents: torch.Tensor, settings: EvalSettings) -> torch.Tensor:
+    """(B, 3, H, W) float32 on the CPU, decoded settings.decode_batch_size images at a time."""
+    h, w = settings.height, settings.width
+    chunk = settings.decode_batch_size or max(1, DECODE_PIXELS // (h * w))
+    return torch.cat([adapter.decode(latents[a : a + chunk], h, w).float().cpu()
+                      for a in range(0, latents.shape[0], chunk)])
 
 
 @dataclass
@@ -70,7 +85,7 @@ def eval_settings(cfg, adapter, test_set: PromptSet) -> EvalSettings:
         guidance = adapter.default_guidance_scale
     n = len(test_set) if e.max_prompts <= 0 else min(e.max_prompts, len(test_set))
     return EvalSettings(e.num_steps, float(guidance), s.height, s.width, e.seed, e.batch_size, s.negative_prompt, n,
-                        s.max_sequence_length)
+                        s.max_sequence_length, s.decode_batch_size)
 
 
 def eval_noise(adapter, seed: int, indices, height: int, width: int) -> torch.Tensor:
@@ -129,11 +144,20 @@ def run_evaluation(adapter, scorer, test_set: PromptSet, cfg, world: World, prog
 
 @torch.no_grad()
 def generate_and_score(adapter, prompts: list[str], metadata: list[dict], settings: EvalSettings, world: World,
-                       score_batch, width: int, grid_count: int = 0, progress: bool = True, desc: str = "eval"):
+                       score_batch, width: int, grid_count: int = 0, progress: bool = True, desc: str = "eval",
+                       overlap: bool | None = None):
     """ODE-sample prompt i from noise (settings.seed, "eval", i) on the rank that holds i (data.rank_block), score
     each batch with score_batch(images_B3HW, prompts, metadata) -> (B, width) float64, and gather every rank's
-    rows. Returns (the (len(prompts), width) table in prompt order, the first grid_count images on rank 0)."""
+    rows. Returns (the (len(prompts), width) table in prompt order, the first grid_count images on rank 0).
+
+    overlap (default: on a GPU): score in one background thread while the next batch samples (at most 2 batches
+    wait; rows keep their order), so OCR or a reward model on the CPU costs no sampling time. On a CPU the two
+    would share the same cores, so it is off there."""
     n, h, w = len(prompts), settings.height, settings.width
+    if overlap is None:
+        overlap = torch.device(adapter.device).type == "cuda"
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-score") if overlap else None
+    pending: list[Future] = []
     adapter.transformer.eval()
     block = rank_block(n, world.rank, world.size)
     first_block = len(rank_block(n, 0, world.size))
@@ -159,11 +183,19 @@ def generate_and_score(adapter, prompts: list[str], metadata: list[dict], settin
                              initial_noise_BNC=eval_noise(adapter, settings.seed, idx, h, w),
                              negative_prompt=settings.negative_prompt, batch_size=len(idx),
                              max_sequence_length=settings.max_sequence_length)
-        images = adapter.decode(latents, h, w).float().cpu()
-        rows.append(score_batch(images, batch_prompts, batch_metadata))
+        images = decode_in_chunks(adapter, latents, settings)
+        if executor is None:
+            rows.append(score_batch(images, batch_prompts, batch_metadata))
+        else:
+            if len(pending) >= 2:  # backpressure: images are not piled up faster than they are scored
+                rows.append(pending.pop(0).result())
+            pending.append(executor.submit(score_batch, images, batch_prompts, batch_metadata))
         if len(kept_images) < keep:
             kept_images.extend(images[: keep - len(kept_images)])
         bar.update(len(idx))
+    if executor is not None:
+        rows.extend(f.result() for f in pending)
+        executor.shutdown()
     bar.close()
     local = torch.full((first_block, width), float("nan"), dtype=torch.float64)
     if rows:

@@ -109,6 +109,7 @@ class _Plan:
     timesteps: torch.Tensor
     initial_noise_BNC: torch.Tensor
     micro: int
+    decode: int  # images per VAE decode (sample.decode_batch_size, else micro)
 
 
 def _plan(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, initial_noise_BNC) -> _Plan:
@@ -127,16 +128,17 @@ def _plan(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, initial
         raise ValueError(f"initial noise has {initial_noise_BNC.shape[0]} rows for {len(prompts_B)} samples")
     return _Plan(prompts_B, [m for m in groups.metadata_G for _ in range(k)], sample_ids_B,
                  torch.tensor(groups.group_ids_G).repeat_interleave(k), text_B, negative, sigmas,
-                 flow_timesteps(sigmas, adapter.scheduler_config), initial_noise_BNC, training_batch_size(cfg))
+                 flow_timesteps(sigmas, adapter.scheduler_config), initial_noise_BNC, training_batch_size(cfg),
+                 s.decode_batch_size or training_batch_size(cfg))
 
 
 def _decode(adapter, plan: _Plan, batch: slice, x_BNC: torch.Tensor, cfg: Config, on_batch) -> torch.Tensor:
-    """Images of one rollout batch, decoded per training batch: the VAE's full-resolution activations of a large
-    rollout batch set the peak; each is scored (on_batch) as soon as it is decoded, so only the last one's scoring
-    is left after the rollout."""
+    """Images of one rollout batch, decoded sample.decode_batch_size at a time (default the training batch): the
+    VAE's full-resolution activations of a large rollout batch set the peak; each chunk is scored (on_batch) as soon
+    as it is decoded, so only the last one's scoring is left after the rollout."""
     n, decoded = x_BNC.shape[0], []
-    for a in range(0, n, plan.micro):
-        sub = slice(a, min(a + plan.micro, n))
+    for a in range(0, n, plan.decode):
+        sub = slice(a, min(a + plan.decode, n))
         decoded.append(adapter.decode(x_BNC[sub], cfg.sample.height, cfg.sample.width).cpu())
         if on_batch is not None:
             on_batch(decoded[-1], plan.prompts_B[batch][sub], plan.metadata_B[batch][sub])

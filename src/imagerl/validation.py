@@ -75,6 +75,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     if t.batch_size < 0 or (t.batch_size and s.batch_size % t.batch_size):
         raise ValueError(f"train.batch_size={t.batch_size} must divide sample.batch_size={s.batch_size} (the rollout's "
                          "SDE-window steps run in training-sized sub-batches), or be 0 for sample.batch_size")
+    if s.decode_batch_size < 0:
+        raise ValueError(f"sample.decode_batch_size must be >= 0 (images per VAE decode; 0: train.batch_size), got "
+                         f"{s.decode_batch_size}")
     if cfg.model.text_length_multiple < 0:
         raise ValueError(f"model.text_length_multiple must be >= 0 (0: automatic), got {cfg.model.text_length_multiple}")
     if cfg.model.vae_dtype not in ("float32", "bfloat16"):

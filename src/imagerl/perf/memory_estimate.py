@@ -177,7 +177,7 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
         merged = dims.merge_target_params * (1 if s.off_window_fp8 else 2)
     decode_per_pixel = DECODE_BYTES_PER_PIXEL / (2 if cfg.model.vae_dtype == "bfloat16" else 1)
     rollout = (static + on_device + merged + s.batch_size * cfg_rows * tokens * dims.hidden * INFERENCE_BYTES
-               + min(micro, s.batch_size) * s.height * s.width * decode_per_pixel)
+               + min(s.decode_batch_size or micro, s.batch_size) * s.height * s.width * decode_per_pixel)
 
     checkpointed = checkpointed_blocks(cfg.model, dims.blocks)
     per_token = checkpointed * CHECKPOINT_BYTES + (dims.blocks - checkpointed + (1 if checkpointed else 0)) * TRAIN_BLOCK_BYTES
@@ -207,6 +207,9 @@ def _levers(cfg) -> list[tuple[str, ...]]:
         single.append("model.checkpoint_every=1")
     elif m.checkpoint_blocks > 0:
         single.append("model.checkpoint_blocks=0")
+    decode = min(s.decode_batch_size or micro, s.batch_size)
+    if decode > 2:  # the rollout's VAE activations (1.6 GiB per 512 px image in float32), a few % of decode speed
+        single.append("sample.decode_batch_size=2")
     if s.merge_lora and not s.off_window_fp8:
         single.append("sample.off_window_fp8=true")
     if s.merge_lora:
