@@ -83,6 +83,9 @@ def test_eval_suite_shapes_puts_base_and_lora_side_by_side(tiny_checkpoint, tmp_
     assert main(["eval", "--model", str(tiny_checkpoint), "--prompts", "shapes-test", "--lora", lora,
                  "--lora", lora]) == 2
     assert "need a suite" in capsys.readouterr().err
+    for flag, value in (("--steps", "0"), ("--images-per-prompt", "0"), ("--batch-size", "0")):
+        assert main(["eval", "--suite", "shapes", "--model", str(tiny_checkpoint), flag, value]) == 2
+        assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_eval_suite_geneval_writes_the_layout(tiny_checkpoint, tmp_path, capsys):

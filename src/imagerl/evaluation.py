@@ -308,6 +308,15 @@ def apply_reward_overrides(cfg, overrides: list[str]) -> None:
             raise ValueError(f"{item!r}: cannot parse value: {e}") from e
 
 
+def check_eval_flags(args) -> None:
+    """ValueError for a numeric flag of `imagerl eval` (with or without --suite) out of range, before anything loads."""
+    for flag, value, low in (("--steps", args.steps, 1), ("--height", args.height, 1), ("--width", args.width, 1),
+                             ("--batch-size", args.batch_size, 1), ("--max-prompts", args.max_prompts, 0),
+                             ("--images-per-prompt", getattr(args, "images_per_prompt", None), 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+
+
 def cli_evaluate(args) -> EvalResult:
     """`imagerl eval`: load the model (+ LoRA), evaluate a prompt file or shipped set (data.NAMED_PROMPT_SETS),
     write eval.json and eval_grid.png. Settings not given (size, steps, guidance, the reward) come from the
@@ -327,10 +336,7 @@ def cli_evaluate(args) -> EvalResult:
     from imagerl.rewards import Scorer
     from imagerl.rewards.registry import check_reward_config, check_reward_names, validate_prompts
 
-    for flag, value, low in (("--steps", args.steps, 1), ("--height", args.height, 1), ("--width", args.width, 1),
-                             ("--batch-size", args.batch_size, 1), ("--max-prompts", args.max_prompts, 0)):
-        if value is not None and value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    check_eval_flags(args)
     world = init_world(args.device)
     path = resolve_model_path(args.model, world)
     defaults = model_defaults(path)  # for the settings not given as flags (all None: the family's)

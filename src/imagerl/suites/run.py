@@ -95,15 +95,14 @@ def cli_suite(args) -> dict:
     from imagerl.components import resolve_dtype, resolve_model_path
     from imagerl.config import Config
     from imagerl.distributed.parallel import init_world
-    from imagerl.evaluation import EvalSettings, apply_reward_overrides, generate_and_score
+    from imagerl.evaluation import EvalSettings, apply_reward_overrides, check_eval_flags, generate_and_score
     from imagerl.families.registry import family_class
     from imagerl.model_defaults import model_defaults
 
     loras = list(args.lora or [])
-    for lora in loras:  # before anything loads
+    check_eval_flags(args)  # before anything loads
+    for lora in loras:
         check_lora_dir(Path(lora))
-    if args.images_per_prompt is not None and args.images_per_prompt < 1:
-        raise ValueError(f"--images-per-prompt must be >= 1, got {args.images_per_prompt}")
     world = init_world(args.device)
     path = resolve_model_path(args.model, world)
     cfg = Config(recipe="eval")
