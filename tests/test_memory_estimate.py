@@ -59,6 +59,19 @@ MEASURED = [
      NFT + UNMERGED + GC + TE_OFF + ["sample.batch_size=16", "train.batch_size=8", "model.checkpoint_blocks=45"]),
     ("2026-12-06-AL", "nft TE off, t8 ckpt all", 60, "qwen_image_nft_ocr",
      NFT + UNMERGED + GC + TE_OFF + ["sample.batch_size=16", "train.batch_size=8", "model.checkpoint_blocks=0"]),
+    # runs AN and AO: the rollout's VAE decode 2 images at a time (sample.decode_batch_size)
+    ("2026-12-06-AN", "t8 first 52, decode 2", 60, "qwen_image_jpeg",
+     FLOW + MERGED + GC + TE_OFF + ["sample.off_window_fp8=true", "sample.batch_size=16", "train.batch_size=8",
+                                    "model.checkpoint_blocks=52", "sample.decode_batch_size=2"]),
+    ("2026-12-06-AN", "t8 ckpt all, decode 2", 60, "qwen_image_jpeg",
+     FLOW + MERGED + GC + TE_OFF + ["sample.off_window_fp8=true", "sample.batch_size=16", "train.batch_size=8",
+                                    "model.checkpoint_blocks=0", "sample.decode_batch_size=2"]),
+    ("2026-12-06-AN", "t8 first 50, decode 2", 60, "qwen_image_jpeg",
+     FLOW + MERGED + GC + TE_OFF + ["sample.off_window_fp8=true", "sample.batch_size=16", "train.batch_size=8",
+                                    "model.checkpoint_blocks=50", "sample.decode_batch_size=2"]),
+    ("2026-12-06-AO", "nft merged FP8, decode 2, t8 first 45", 60, "qwen_image_nft_ocr",
+     NFT + MERGED + GC + TE_OFF + ["sample.off_window_fp8=true", "sample.batch_size=16", "train.batch_size=8",
+                                   "model.checkpoint_blocks=45", "sample.decode_batch_size=2"]),
 ]
 
 
