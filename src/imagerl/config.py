@@ -67,6 +67,22 @@ class ModelConfig:
 
 
 @dataclass
+class MixtureSet:
+    """One prompt set of data.mixture."""
+
+    name: str = ""
+    """Its name in the metrics (rollout/set/<name>/...): letters, digits, "_" and "-"."""
+    prompts: str = ""
+    """A .txt / .jsonl file or a shipped set, as data.train_prompts."""
+    share: float = 1.0
+    """Its share of each rollout's prompts (the shares are normalised; each set gets at least one prompt)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """The rewards that score its images and their weights, as reward.weights."""
+    test_prompts: str = ""
+    """Held-out prompts scored by these rewards (a file or shipped set; "" none): eval/set/<name>/... ."""
+
+
+@dataclass
 class DataConfig:
     train_prompts: str = "bundled"
     """.txt (one prompt per line) or .jsonl ("prompt" field), or a set shipped with imagerl: "bundled" (128 OCR
@@ -78,6 +94,11 @@ class DataConfig:
     """Images per held-out prompt, each from its own noise (GenEval samples 4): a less noisy evaluation."""
     test_fraction: float = 0.1
     split_seed: int = 0
+    mixture: list[MixtureSet] = field(default_factory=list)
+    """Several prompt sets instead of train_prompts, each with its rewards and its share of every rollout
+    (imagerl.mixture): a group never mixes sets, each image is scored by its own set's rewards, and each set gets
+    rollout/set/<name>/* metrics. reward.weights becomes the union of the sets' rewards (what is loaded; the
+    held-out evaluation of data.test_prompts scores with it); the sets' test_prompts replace data.test_prompts."""
 
 
 @dataclass
@@ -382,6 +403,15 @@ def _check_type(key: str, value, hint):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
         raise ValueError(f"{key}: expected {hint.__name__}, got {_short(value)}")
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping, got {_short(value)}")
+        obj, hints = hint(), typing.get_type_hints(hint)
+        for k, v in value.items():
+            if k not in hints:
+                raise ValueError(f"{key}: unknown key {k!r} (valid: {', '.join(hints)})")
+            setattr(obj, k, _check_type(f"{key}.{k}", v, hints[k]))
+        return obj
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{key}: expected a list, got {_short(value)}")

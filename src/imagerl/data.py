@@ -126,7 +126,12 @@ def load_train_test(data_cfg) -> tuple[PromptSet, PromptSet | None]:
 
     data.train_prompts: a named set (NAMED_PROMPT_SETS) or a .txt/.jsonl file. data.test_prompts: "" (no
     evaluation), "split" (hold out data.test_fraction of the train file's distinct prompts, seeded by
-    data.split_seed; training then uses the rest), a named set or a .txt/.jsonl file."""
+    data.split_seed; training then uses the rest), a named set or a .txt/.jsonl file. With data.mixture: its sets'
+    prompts, tagged with their set (imagerl.mixture.load_mixture)."""
+    if data_cfg.mixture:
+        from imagerl.mixture import load_mixture
+
+        return load_mixture(data_cfg)
     train_file = resolve_prompt_file(data_cfg.train_prompts)
     train = load_prompt_set(train_file)
     if not data_cfg.test_prompts:

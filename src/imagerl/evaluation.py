@@ -264,6 +264,11 @@ def evaluate(adapter, scorer, test_set: PromptSet, cfg, world: World, step: int,
     result = run_evaluation(adapter, scorer, test_set, cfg, world, progress=progress, extra_columns=columns)
     if columns:
         result.metrics.update(suites.held_out_metrics(result.extra))
+    if cfg.data.mixture:  # each set's held-out prompts, scored by its rewards
+        from imagerl.mixture import set_metrics
+
+        result.metrics.update(set_metrics("eval", [m.name for m in cfg.data.mixture], test_set.metadata[:len(result.prompts)],
+                                          result.total_N, result.valid_N, result.components, world))
     if world.is_main and run_dir is not None:
         grid = save_eval_grid(result, Path(run_dir) / "images" / f"eval_{step:06d}.png")
         if grid is not None:  # the full prompts (the grid cuts them at 3 lines) and every held-out reward

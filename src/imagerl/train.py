@@ -17,12 +17,13 @@ from imagerl.checkpoint import (check_resume_config, load_checkpoint, prune_chec
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
 from imagerl.console import format_duration, quiet_library_progress
-from imagerl.data import GroupSampler, load_train_test
+from imagerl.data import load_train_test
 from imagerl.distributed.fsdp import apply_parallelism, set_deterministic
 from imagerl.distributed.parallel import init_world, resolve_device
 from imagerl.gc_freeze import GCFreeze
 from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
                              read_metrics, require_wandb, save_image_grid)
+from imagerl.mixture import make_sampler, sample_weights, set_metrics, set_weights
 from imagerl.perf.memory_estimate import check_memory
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
@@ -70,7 +71,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     if resume_from is None and not overwrite:  # every rank raises alike; with overwrite rank 0 alone clears below
         check_fresh_run_dir(run_dir, overwrite=False)
         world.barrier()  # every rank has looked before rank 0 writes anything there
-    scorer = Scorer(cfg.reward, world.device)
+    scorer = Scorer(cfg.reward, world.device, set_weights=set_weights(cfg))  # data.mixture: each set its rewards
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
 
@@ -90,7 +91,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     optimizer = make_optimizer(adapter.trainable_parameters(), cfg)
     algo = make_algorithm(cfg, adapter)
     scoring = AsyncScorer(scorer, enabled=cfg.reward.async_scoring)
-    sampler = GroupSampler(train_set, cfg.sample.prompts_per_rollout, cfg.run.seed, world.rank, world.size)
+    sampler = make_sampler(cfg, train_set, world)
     start = load_checkpoint(resume_from, adapter, optimizer, world, algo.checkpoint_state()) if resume_from else 0
     if resume_from:  # the optimizer state carries the checkpoint's hyperparameters: this run's apply
         t = cfg.train
@@ -118,7 +119,8 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
                 per_reward = cfg.train.advantage == "per_reward"  # GDPO: each reward normalised on its own
                 advantages, reward_metrics = rollout_advantages(
                     rewards.total_B, rewards.valid_B, rollout.group_ids_B, world, cfg.train.global_std,
-                    rewards.components if per_reward else None, cfg.reward.weights if per_reward else None)
+                    rewards.components if per_reward else None,
+                    sample_weights(rollout.metadata_B, cfg.reward.weights, set_weights(cfg)) if per_reward else None)
                 _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, save)
             with timer("train"), progress_bar(algo.forwards_per_update(plan.batches_per_rank), "  train",
                                               world.is_main, "fwd", False) as pb:
@@ -130,6 +132,8 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
 
             done = step + 1
             metrics = {**reward_metrics, **_component_means(rewards, world), **algo.rollout_metrics(rollout),
+                       **set_metrics("rollout", [m.name for m in cfg.data.mixture], rollout.metadata_B,
+                                     rewards.total_B, rewards.valid_B, rewards.components, world),
                        "time/reward_compute_s": scored.compute_s, **stats.as_metrics()}
             drifted = monitor(done, rollout.images_B3HW, metrics, bar.write) if monitor else False
             metrics.update(maybe_eval(done))

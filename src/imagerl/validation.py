@@ -49,6 +49,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key} must be >= 1, got {value}")
+    from imagerl.mixture import check_mixture
+
+    check_mixture(cfg)  # data.mixture; reward.weights becomes the union of its sets' rewards
     if cfg.model.checkpoint_blocks < 0:
         raise ValueError(f"model.checkpoint_blocks must be >= 0 (0: every block checkpoint_every selects), got "
                          f"{cfg.model.checkpoint_blocks}")
@@ -161,9 +164,11 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     e = cfg.eval
     if e.interval < 0 or e.num_steps < 1 or e.batch_size < 1 or e.max_prompts < 0:
         raise ValueError("eval.interval and eval.max_prompts must be >= 0, eval.num_steps and eval.batch_size >= 1")
-    if (e.interval or e.before_training) and not cfg.data.test_prompts:
+    held_out = cfg.data.test_prompts or any(m.test_prompts for m in cfg.data.mixture)
+    if (e.interval or e.before_training) and not held_out and not e.suites:
         raise ValueError("evaluation is on (eval.interval / eval.before_training) but data.test_prompts is empty; "
-                         "give a prompt file or data.test_prompts=split")
+                         "give a prompt file or data.test_prompts=split (with data.mixture: a set's test_prompts), "
+                         "or an evaluation suite (eval.suites)")
     if not 0 < cfg.data.test_fraction < 1:
         raise ValueError(f"data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}")
     if cfg.data.test_samples_per_prompt < 1:

@@ -8,7 +8,8 @@ Clipping to +-adv_clip_max happens in the loss, as in flow_grpo.
 train.advantage=per_reward (GDPO, group reward-decoupled normalization for several rewards, NVIDIA 2026):
 each reward component's advantage is normalised on its own as above, and the advantage is their weighted sum,
 A_i = sum_n w_n (R_n,i - mean(R_n,g(i))) / (std_n + eps), so that a reward with a large spread cannot drown the
-others (with one reward it equals the sum mode's, w times it).
+others (with one reward it equals the sum mode's, w times it). Under data.mixture a reward's advantage is computed
+over the images its sets scored, and w is each image's set's weight.
 """
 
 from __future__ import annotations
@@ -68,15 +69,26 @@ def group_advantages(rewards: torch.Tensor, group_ids, *, global_std: bool, eps:
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
-def per_reward_advantages(components: dict[str, torch.Tensor], weights: dict[str, float], group_ids, *,
-                          global_std: bool, eps: float = 1e-4) -> torch.Tensor:
-    """The weighted sum of each component's own group advantage (float64, 1-D; module docstring)."""
+def per_reward_advantages(components: dict[str, torch.Tensor], weights: dict[str, float | torch.Tensor], group_ids,
+                          *, global_std: bool, eps: float = 1e-4) -> torch.Tensor:
+    """The weighted sum of each component's own group advantage (float64, 1-D; module docstring).
+
+    data.mixture: a weight may be a per-sample tensor (its set's weight), and a component is NaN on the samples of
+    sets that do not use it; each component's advantage is then computed over the samples it scored (their groups,
+    their global std) and adds 0 elsewhere."""
     if not components:
         raise ValueError("per-reward advantages need at least one reward component")
+    group_ids = as_group_ids(group_ids)
     total = None
     for name, values in components.items():
-        adv = group_advantages(torch.as_tensor(values, dtype=torch.float64), group_ids, global_std=global_std, eps=eps)
-        total = weights[name] * adv if total is None else total + weights[name] * adv
+        values = torch.as_tensor(values, dtype=torch.float64)
+        scored = torch.isfinite(values)
+        adv = torch.zeros_like(values)
+        if scored.any():
+            adv[scored] = group_advantages(values[scored], group_ids[scored], global_std=global_std,
+                                           eps=eps).to(torch.float64)
+        part = torch.as_tensor(weights[name], dtype=torch.float64) * adv
+        total = part if total is None else total + part
     return total
 
 
@@ -120,6 +132,8 @@ def rollout_advantages(reward_B: torch.Tensor, valid_B: torch.Tensor, group_ids_
     kept = reward_all[valid_all]
     if kept.numel() and components_B is not None:
         parts = {n: world.all_gather(v.to(device, torch.float64)).cpu()[valid_all] for n, v in components_B.items()}
+        weights = {n: world.all_gather(w.to(device, torch.float64)).cpu()[valid_all] if isinstance(w, torch.Tensor)
+                   else w for n, w in weights.items()}  # data.mixture: each sample's set's weight
         adv_all[valid_all] = per_reward_advantages(parts, weights, groups_all[valid_all], global_std=global_std)
     elif kept.numel():
         adv_all[valid_all] = group_advantages(kept, groups_all[valid_all], global_std=global_std)

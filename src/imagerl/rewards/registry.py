@@ -101,7 +101,11 @@ class Scorer:
     """The weighted mixture of cfg.weights. `score` returns every component (for rollout/reward/<name>_mean)
     and their weighted sum."""
 
-    def __init__(self, cfg: RewardConfig, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: RewardConfig, device: torch.device | str = "cpu",
+                 set_weights: dict[str, dict[str, float]] | None = None):
+        """set_weights (data.mixture, imagerl.mixture): {set name: its weights}; an image whose metadata names its
+        set (mixture.MIXTURE_KEY) is scored by that set's rewards only, weighted by them (its other components
+        NaN); an image without a set by cfg.weights. cfg.weights must hold every set's rewards (they load once)."""
         if not isinstance(cfg, RewardConfig):
             raise TypeError(f"Scorer takes the RewardConfig (cfg.reward), got {type(cfg).__name__}")
         if cfg.batch_size < 1:
@@ -110,33 +114,58 @@ class Scorer:
         self.cfg = cfg
         self.weights = dict(cfg.weights)
         self.device = reward_device(cfg, device)
+        self.set_weights = set_weights or {}
+        missing = {r for w in self.set_weights.values() for r in w} - set(self.weights)
+        if missing:
+            raise ValueError(f"reward.weights lacks the mixture's rewards {sorted(missing)}")
         self.models = {name: REWARDS[name](cfg, self.device) for name in self.weights}
 
+    def _weights_of(self, metadata: list[dict] | None, n: int) -> list[dict[str, float]]:
+        """Each image's reward weights: its set's (data.mixture), else reward.weights."""
+        from imagerl.mixture import MIXTURE_KEY
+
+        if not self.set_weights:
+            return [self.weights] * n
+        return [self.set_weights.get((m or {}).get(MIXTURE_KEY), self.weights) for m in (metadata or [{}] * n)]
+
     def validate_prompts(self, prompts: list[str], metadata: list[dict] | None = None) -> None:
-        """ValueError naming the first prompt that one of the rewards cannot score."""
+        """ValueError naming the first prompt that one of the rewards cannot score (each reward checks the prompts
+        of the sets that use it)."""
+        weights = self._weights_of(metadata, len(prompts))
         for name, model in self.models.items():
-            _validate_with(name, model, prompts, metadata)
+            idx = [i for i, w in enumerate(weights) if name in w]
+            _validate_with(name, model, [prompts[i] for i in idx], [metadata[i] for i in idx] if metadata else None)
 
     def score(self, images_B3HW: torch.Tensor, prompts: list[str], metadata: list[dict]) -> RewardBatch:
         n = images_B3HW.shape[0]
         if len(prompts) != n or len(metadata) != n:
             raise ValueError(f"{n} images but {len(prompts)} prompts and {len(metadata)} metadata records")
         step = self.cfg.batch_size
+        weights = self._weights_of(metadata, n)
         components = {}
         total = torch.zeros(n, dtype=torch.float64)
         for name, model in self.models.items():
+            idx = [i for i, w in enumerate(weights) if name in w]  # every image without a mixture
+            whole = len(idx) == n
+            images = images_B3HW if whole else images_B3HW[idx]
+            texts, records = (prompts, metadata) if whole else ([prompts[i] for i in idx], [metadata[i] for i in idx])
             parts = []
-            for lo in range(0, n, step):
-                hi = min(lo + step, n)
+            for lo in range(0, len(idx), step):
+                hi = min(lo + step, len(idx))
                 try:
-                    values = model(images_B3HW[lo:hi], prompts[lo:hi], metadata[lo:hi])
+                    values = model(images[lo:hi], texts[lo:hi], records[lo:hi])
                     values = torch.as_tensor(values, dtype=torch.float64).detach().cpu().reshape(-1)
                 except Exception as e:  # noqa: BLE001 - re-raised with the reward's name
                     raise RewardError(f"reward {name!r} failed: {type(e).__name__}: {e}") from e
                 if values.numel() != hi - lo:
                     raise RewardError(f"reward {name!r} returned {values.numel()} values for {hi - lo} images")
                 parts.append(values)
-            values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+            values = torch.full((n,), float("nan"), dtype=torch.float64)
+            if parts:
+                values[idx] = torch.cat(parts)
             components[name] = values
-            total += self.weights[name] * values
+            w = torch.tensor([wi.get(name, 0.0) for wi in weights], dtype=torch.float64)
+            uses = torch.zeros(n, dtype=torch.bool)
+            uses[idx] = True
+            total += torch.where(uses, w * values, torch.zeros_like(values))  # a set without it adds 0, not NaN
         return RewardBatch(total, components, torch.isfinite(total))

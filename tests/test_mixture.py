@@ -1,0 +1,160 @@
+"""data.mixture: several prompt sets with their own rewards and shares (imagerl.mixture). The composition against
+the largest-remainder rule worked by hand, the sampler's slices and passes, the Scorer's per-set rewards against a
+direct computation, per-reward advantages over the images each reward scored against a float64 loop, and a
+training run's per-set metrics."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from imagerl.config import load_config
+from imagerl.mixture import MIXTURE_KEY, MixtureSampler, check_mixture, load_mixture, set_counts
+
+
+@pytest.mark.parametrize("shares, total, expected", [
+    ([1, 1], 3, [2, 1]),           # 1.5 / 1.5: equal remainders, the earlier set first
+    ([0.5, 0.3, 0.2], 10, [5, 3, 2]),
+    ([1, 2], 4, [1, 3]),           # 1.33 / 2.67: floors 1 + 2, the larger remainder (0.67) takes the last
+    ([3, 1], 16, [12, 4]),
+])
+def test_set_counts_follow_the_largest_remainder(shares, total, expected):
+    assert set_counts(shares, total) == expected and sum(expected) == total
+
+
+def _mixture_cfg(tmp_path, *overrides, sets=None):
+    other = tmp_path / "other.txt"
+    other.write_text("".join(f"a photo number {i}\n" for i in range(5)))
+    sets = sets or (f'[{{name: shapes, prompts: shapes-train, share: 3, rewards: {{shapes: 1.0}}}}, '
+                    f'{{name: other, prompts: {other}, share: 1, rewards: {{jpeg_compressibility: 2.0}}}}]')
+    return load_config("quickstart", ["sample.prompts_per_rollout=4", "data.test_prompts=", f"data.mixture={sets}",
+                                      *overrides])
+
+
+def test_bad_mixtures_are_refused_with_what_to_change(tmp_path):
+    cfg = _mixture_cfg(tmp_path)
+    check_mixture(cfg)
+    assert cfg.reward.weights == {"shapes": 1.0, "jpeg_compressibility": 1.0}  # what loads: the union
+    bad = {
+        "[{name: a, prompts: shapes-train, rewards: {shapes: 1}}, {name: a, prompts: shapes-train, rewards: {shapes: 1}}]":
+            "used by two sets",
+        "[{name: 'a b', prompts: shapes-train, rewards: {shapes: 1}}]": "letters, digits",
+        "[{name: a, prompts: shapes-train, share: 0, rewards: {shapes: 1}}]": "share must be > 0",
+        "[{name: a, prompts: shapes-train, rewards: {}}]": "rewards is empty",
+        "[{name: a, prompts: shapes-train, rewards: {nope: 1}}]": "nope",
+        "[{name: a, prompts: '', rewards: {shapes: 1}}]": "prompts is empty",
+        "[{name: a, prompts: shapes-train, share: 100, rewards: {shapes: 1}}, "
+        "{name: b, prompts: shapes-train, share: 1, rewards: {shapes: 1}}]": r"set 'b' \(share 1\) gets no prompt",
+    }
+    for sets, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            check_mixture(_mixture_cfg(tmp_path, sets=sets))
+    with pytest.raises(ValueError, match="remove data.test_prompts"):
+        check_mixture(_mixture_cfg(tmp_path, "data.test_prompts=shapes-test"))
+    with pytest.raises(ValueError, match=r"data.mixture\[0\].foo: unknown key|unknown key 'foo'"):
+        load_config("quickstart", ["data.mixture=[{name: a, foo: 1}]"])
+
+
+def test_the_sampler_gives_each_set_its_share_in_whole_groups_and_each_pass_covers_a_set(tmp_path):
+    cfg = _mixture_cfg(tmp_path)
+    check_mixture(cfg)
+    train, test = load_mixture(cfg.data)
+    assert test is None and {m[MIXTURE_KEY] for m in train.metadata} == {"shapes", "other"}
+    one = MixtureSampler(train, ["shapes", "other"], [3, 1], seed=7)
+    for step in range(5):
+        groups = one.groups_for(step)
+        assert [m[MIXTURE_KEY] for m in groups.metadata_G] == ["shapes"] * 3 + ["other"]
+        assert groups.group_ids_G == [0, 1, 2, 3]
+        # two ranks: contiguous halves of the same global list
+        halves = [MixtureSampler(train, ["shapes", "other"], [3, 1], seed=7, rank=r, world_size=2).groups_for(step)
+                  for r in range(2)]
+        assert halves[0].prompts_G + halves[1].prompts_G == groups.prompts_G
+        assert halves[1].group_ids_G == [2, 3]
+    # the 5 "other" prompts, one per rollout: rollouts 0-4 draw each once, in a seeded order
+    drawn = [one.groups_for(step).prompts_G[3] for step in range(5)]
+    assert sorted(drawn) == [f"a photo number {i}" for i in range(5)]
+    assert [MixtureSampler(train, ["shapes", "other"], [3, 1], seed=8).groups_for(s).prompts_G[3]
+            for s in range(5)] != drawn  # another seed, another order
+    with pytest.raises(ValueError, match="divisible by world_size"):
+        MixtureSampler(train, ["shapes", "other"], [3, 1], seed=7, world_size=3)
+
+
+def test_each_image_is_scored_by_its_own_sets_rewards_only(tmp_path):
+    from imagerl.config import RewardConfig
+    from imagerl.rewards import Scorer
+    from imagerl.rewards.jpeg import jpeg_sizes_kb
+
+    prompts = ["a red circle", "a photo number 1", "a blue square", "a photo number 2"]
+    metadata = [{MIXTURE_KEY: s} for s in ("shapes", "other", "shapes", "other")]
+    images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    scorer = Scorer(RewardConfig(weights={"shapes": 1.0, "jpeg_compressibility": 1.0}), "cpu",
+                    set_weights={"shapes": {"shapes": 1.0}, "other": {"jpeg_compressibility": 2.0}})
+    # the shapes reward refuses "a photo number 1": validating and scoring must never show it those prompts
+    scorer.validate_prompts(prompts, metadata)
+    batch = scorer.score(images, prompts, metadata)
+    shapes = Scorer(RewardConfig(weights={"shapes": 1.0}), "cpu").score(images[[0, 2]], prompts[0::2], metadata[0::2])
+    jpeg = -jpeg_sizes_kb(images[[1, 3]]).double() / 500
+    assert torch.equal(batch.components["shapes"][[0, 2]], shapes.total_B)
+    assert batch.components["shapes"][[1, 3]].isnan().all() and batch.components["jpeg_compressibility"][[0, 2]].isnan().all()
+    assert torch.allclose(batch.components["jpeg_compressibility"][[1, 3]], jpeg)
+    assert torch.allclose(batch.total_B, torch.stack([shapes.total_B[0], 2 * jpeg[0], shapes.total_B[1], 2 * jpeg[1]]))
+    assert batch.valid_B.all()
+    with pytest.raises(ValueError, match="a photo number 1"):
+        Scorer(RewardConfig(weights={"shapes": 1.0}), "cpu").validate_prompts(prompts, metadata)
+
+
+def test_per_reward_advantages_of_a_mixture_against_a_float64_loop():
+    """Two sets: groups 0-1 scored by reward a (weight 1), groups 2-3 by b (weight 3) and a (weight 0.5). Each reward's
+    advantage uses only the images it scored: their group means and their global std."""
+    from imagerl.algorithms.advantages import per_reward_advantages
+
+    g = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
+    a = torch.tensor([1.0, 2.0, 4.0, 0.5, 0.5, 1.5, 3.0, 1.0, 2.0, 0.0, 2.0, 7.0], dtype=torch.float64)
+    b = torch.tensor([math.nan] * 6 + [10.0, 30.0, 20.0, 5.0, 5.0, 35.0], dtype=torch.float64)
+    wa = torch.tensor([1.0] * 6 + [0.5] * 6, dtype=torch.float64)
+    wb = torch.tensor([0.0] * 6 + [3.0] * 6, dtype=torch.float64)
+    got = per_reward_advantages({"a": a, "b": b}, {"a": wa, "b": wb}, g, global_std=True)
+
+    def advantages(values, samples):
+        vals = [values[i].item() for i in samples]
+        mean_all = sum(vals) / len(vals)
+        std = math.sqrt(sum((v - mean_all) ** 2 for v in vals) / len(vals))
+        out = {}
+        for i in samples:
+            group = [values[j].item() for j in samples if g[j] == g[i]]
+            out[i] = (values[i].item() - sum(group) / len(group)) / (std + 1e-4)
+        return out
+
+    adv_a, adv_b = advantages(a, range(12)), advantages(b, range(6, 12))
+    expected = [wa[i].item() * adv_a[i] + (wb[i].item() * adv_b[i] if i >= 6 else 0.0) for i in range(12)]
+    assert got.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_training_on_a_mixture_logs_each_set(tiny_checkpoint, tmp_path):
+    """Two rollouts of the tiny model on two sets (3 + 1 prompts per rollout) with per-reward advantages, each set
+    evaluated on its own held-out prompts: rollout/set/<name>/* and eval/set/<name>/* are logged, each set's
+    component is absent from the other's, and the rollout's mean is the sets' means weighted by their images."""
+    from imagerl.train import train
+
+    other = tmp_path / "other.txt"
+    other.write_text("".join(f"a photo number {i}\n" for i in range(5)))
+    held_out = tmp_path / "other_test.txt"
+    held_out.write_text("a photo number 9\n")
+    sets = (f"[{{name: shapes, prompts: shapes-train, share: 3, rewards: {{shapes: 1.0}}, test_prompts: shapes-test}}, "
+            f"{{name: other, prompts: {other}, share: 1, rewards: {{jpeg_compressibility: 2.0}}, "
+            f"test_prompts: {held_out}}}]")
+    run = tmp_path / "run"
+    train(tiny_config(tiny_checkpoint, run, "sample.prompts_per_rollout=4", "sample.batch_size=4", f"data.mixture={sets}",
+                      "train.advantage=per_reward", "eval.interval=2", "eval.num_steps=2", "eval.batch_size=32", "eval.max_prompts=0",
+                      "sample.guidance_scale=1"))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert {"rollout/set/shapes/raw_mean", "rollout/set/shapes/shapes_mean", "rollout/set/other/raw_mean",
+            "rollout/set/other/jpeg_compressibility_mean", "eval/set/shapes/raw_mean", "eval/set/other/raw_mean"} <= set(last)
+    assert "rollout/set/shapes/jpeg_compressibility_mean" not in last and "rollout/set/other/shapes_mean" not in last
+    assert last["rollout/set/other/raw_mean"] == pytest.approx(2 * last["rollout/set/other/jpeg_compressibility_mean"])
+    mixed = (3 * last["rollout/set/shapes/raw_mean"] + last["rollout/set/other/raw_mean"]) / 4
+    assert last["rollout/reward/raw_mean"] == pytest.approx(mixed, rel=1e-9)
+    assert last["rollout/reward/failed_count"] == 0 and last["train/log_prob_mean_abs_diff"] == 0.0
