@@ -158,3 +158,7 @@ def test_training_on_a_mixture_logs_each_set(tiny_checkpoint, tmp_path):
     mixed = (3 * last["rollout/set/shapes/raw_mean"] + last["rollout/set/other/raw_mean"]) / 4
     assert last["rollout/reward/raw_mean"] == pytest.approx(mixed, rel=1e-9)
     assert last["rollout/reward/failed_count"] == 0 and last["train/log_prob_mean_abs_diff"] == 0.0
+    from imagerl.report import write_report
+
+    report, _ = write_report(run, phases=False)
+    assert "held-out set other" in report and "held-out set shapes" in report and "shapes_mean" in report

@@ -31,7 +31,8 @@ def _train(args) -> int:
         from imagerl.report import format_eval_table, format_suite_tables, load_run
 
         records = load_run(run_dir)
-        for table in (format_eval_table(records), format_suite_tables(records)):
+        for table in (format_eval_table(records), format_suite_tables(records),
+                      format_suite_tables(records, "eval/set/", "held-out set")):
             if table:
                 print(table)
     print(f"done: {run_dir} (metrics.jsonl, tensorboard/, images/, checkpoints/, plots/reward.png); "

@@ -164,16 +164,16 @@ def format_eval_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_suite_tables(records: list[dict]) -> str:
-    """Each eval.suites suite over training: one row per evaluation, one column per measure ("" when none ran)."""
-    prefix = "eval/suite/"
+def format_suite_tables(records: list[dict], prefix: str = "eval/suite/", title: str = "suite") -> str:
+    """Each eval.suites suite over training: one row per evaluation, one column per measure ("" when none ran).
+    With prefix "eval/set/" and title "held-out set": each data.mixture set's held-out rewards likewise."""
     suites = sorted({k[len(prefix):].split("/")[0] for r in records for k in r if k.startswith(prefix)})
     blocks = []
     for suite in suites:
         keys = list(dict.fromkeys(k for r in records for k in r if k.startswith(f"{prefix}{suite}/")))
         names = [k.rsplit("/", 1)[1] for k in keys]
         width = max(8, *map(len, names))
-        lines = [f"suite {suite}", f"{'rollout':>7}" + "".join(f"  {n:>{width}}" for n in names)]
+        lines = [f"{title} {suite}", f"{'rollout':>7}" + "".join(f"  {n:>{width}}" for n in names)]
         for r in records:
             if any(k in r for k in keys):
                 cells = "".join(f"  {r[k]:>{width}.4f}" if _is_number(r.get(k)) else f"  {'-':>{width}}" for k in keys)
@@ -191,5 +191,5 @@ def write_report(run_dir: str | Path, phases: bool = True) -> tuple[str, list[Pa
     paths = [plot_rewards(records, run_dir / "plots" / "reward.png", title=title)]
     if phases:
         paths.append(plot_phases(records, run_dir / "plots" / "phases.png", title=f"{title}: seconds per phase"))
-    suites = format_suite_tables(records)
-    return format_summary(summary) + (f"\n\n{suites}" if suites else ""), paths
+    tables = [t for t in (format_suite_tables(records), format_suite_tables(records, "eval/set/", "held-out set")) if t]
+    return "\n\n".join([format_summary(summary), *tables]), paths
