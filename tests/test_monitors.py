@@ -107,3 +107,18 @@ def test_keep_best_keeps_the_best_evaluation_beside_the_latest_and_survives_resu
     assert kept == sorted({f"step_{best_step:06d}", "step_000004"})
     assert main(["report", str(run)]) == 0
     assert re.search(rf"best checkpoint\s+step_{best_step:06d}\s+\(eval/reward/raw_mean", capsys.readouterr().out)
+
+
+def test_a_resumed_run_keeps_the_warning_schedule(tiny_checkpoint, tmp_path, capsys):
+    """Warnings repeat every monitor.warn_every rollouts per monitor: a run that warned at rollout 2 and resumes after
+    rollout 3 stays quiet at rollout 4 (2 + 10 not reached), as the uninterrupted run would."""
+    from conftest import tiny_config
+    from imagerl.train import train
+
+    run = tmp_path / "run"
+    common = ["monitor.max_drift=1e-9", "monitor.warn_every=10", "run.checkpoint_every=1"]
+    train(tiny_config(tiny_checkpoint, run, "train.num_rollouts=3", *common))
+    first = capsys.readouterr().out
+    assert "rollout 2: monitor" in first and "rollout 3: monitor" not in first
+    train(tiny_config(tiny_checkpoint, run, "train.num_rollouts=4", *common), resume="latest")
+    assert "imagerl: warning: rollout 4: monitor" not in capsys.readouterr().out
