@@ -89,11 +89,12 @@ def _sft(args) -> int:
 
 
 def _make_tiny(args) -> int:
-    if args.family == "qwen_image":
-        from imagerl.families.tiny_checkpoint import make_tiny_qwen_image as make
-    else:
-        from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21 as make
-    print(f"wrote {make(args.directory, seed=args.seed)}")
+    from imagerl.families.registry import FAMILIES, _import_builtin
+
+    _import_builtin()
+    if args.family not in FAMILIES:
+        raise ValueError(f"--family {args.family!r}: the families are {', '.join(sorted(FAMILIES))}")
+    print(f"wrote {FAMILIES[args.family].build_tiny_checkpoint(args.directory, seed=args.seed)}")
     return 0
 
 
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_sft)
     p = sub.add_parser("make-tiny-checkpoint", help="write a tiny random checkpoint in the hub layout")
     p.add_argument("directory")
-    p.add_argument("--family", default="qwen_image", choices=["qwen_image", "qwen_image21"])
+    p.add_argument("--family", default="qwen_image", help="a registered family (qwen_image, qwen_image21, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_tiny)
     p = sub.add_parser("make-synthetic-data", help="write a shapes-world data set (images, captions, prompt files)")

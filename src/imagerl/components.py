@@ -10,7 +10,7 @@ import torch
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
 
-TINY_CHECKPOINTS = {"tiny": "tiny-qwen-image-v1", "tiny21": "tiny-qwen-image21-v1"}
+TINY_CHECKPOINTS = ("tiny", "tiny21")  # the families' tiny_name (families/registry.tiny_families; a test checks)
 BUNDLED_MODELS = {"quickstart": "quickstart-model"}  # in imagerl/assets; BUILD.json there says how it was made
 NAMED_MODELS = {*TINY_CHECKPOINTS, *BUNDLED_MODELS}
 
@@ -31,14 +31,13 @@ def resolve_model_path(spec: str, world: World | None = None) -> Path:
         return Path(str(resources.files("imagerl") / "assets" / BUNDLED_MODELS[spec]))
     if spec not in TINY_CHECKPOINTS:
         return Path(spec).expanduser()
-    from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
-    from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
+    from imagerl.families.registry import tiny_families
 
-    name, make = TINY_CHECKPOINTS[spec], {"tiny": make_tiny_qwen_image, "tiny21": make_tiny_qwen_image21}[spec]
-    path = cache_dir() / name
+    family = tiny_families()[spec]
+    path = cache_dir() / family.tiny_cache_name
     if (world is None or world.is_main) and not (path / "model_index.json").is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        make(path)
+        family.build_tiny_checkpoint(path)
     if world is not None:
         world.barrier()
     return path

@@ -138,6 +138,25 @@ class FamilyAdapter:
     text_length_multiple: int = 1
     lora_target_modules: tuple[str, ...] = ()
     pipeline_class_name: str = ""
+    # model.path=<tiny_name> builds build_tiny_checkpoint() once into the cache as <tiny_cache_name>
+    tiny_name: str = ""
+    tiny_cache_name: str = ""
+
+    @classmethod
+    def load_pipeline(cls, path, **components):
+        """The family's diffusers pipeline from a local checkpoint (fp32, no progress bars): the reference the
+        family contract compares with (tests/test_family_contract.py), and what a user loads an export into."""
+        import diffusers
+
+        pipe = getattr(diffusers, cls.pipeline_class_name).from_pretrained(path, **components)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @classmethod
+    def build_tiny_checkpoint(cls, directory, seed: int = 0):
+        """Write a tiny random checkpoint of this family in the hub's diffusers layout (its pipeline's
+        save_pretrained) to `directory`; return the path. Tests and `imagerl make-tiny-checkpoint` use it."""
+        raise NotImplementedError(f"family {cls.name!r} has no tiny checkpoint builder")
 
     transformer: torch.nn.Module
     device: torch.device

@@ -69,6 +69,13 @@ class QwenImageFamily(FamilyAdapter):
     name = "qwen_image"
     name_patterns = ("qwen-image", "qwen_image", "qwenimage")
     pipeline_class_name = "QwenImagePipeline"
+    tiny_name, tiny_cache_name = "tiny", "tiny-qwen-image-v1"
+
+    @classmethod
+    def build_tiny_checkpoint(cls, directory, seed: int = 0):
+        from imagerl.families.tiny_checkpoint import make_tiny_qwen_image  # imports this module: lazily
+
+        return make_tiny_qwen_image(directory, seed=seed)
     default_guidance_scale = 4.0  # flow_grpo's Qwen-Image recipe (rollout, training and eval)
     # The 12 block Linears of the flow_grpo / miles Qwen-Image recipes (all but img_mod/txt_mod).
     lora_target_modules = (

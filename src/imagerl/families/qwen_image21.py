@@ -98,6 +98,24 @@ class QwenImage21Family(FamilyAdapter):
     name_patterns = ("qwen-image-2.1", "qwen_image_2.1", "qwen-image2.1", "qwen_image21", "qwen-image-21",
                      "qwen_image_21", "qwenimage21", "qwenimage-2.1")
     pipeline_class_name = "QwenImage21Pipeline"
+    tiny_name, tiny_cache_name = "tiny21", "tiny-qwen-image21-v1"
+
+    @classmethod
+    def load_pipeline(cls, path, **components):
+        """QwenImage21Pipeline with its processor built by load_processor21: transformers cannot load a
+        Qwen3VLProcessor without torchvision, which neither imagerl nor the pipeline's text path needs."""
+        from pathlib import Path
+
+        from imagerl.families.tiny_checkpoint21 import load_processor21
+
+        components.setdefault("processor", load_processor21(Path(path) / "processor"))
+        return super().load_pipeline(path, **components)
+
+    @classmethod
+    def build_tiny_checkpoint(cls, directory, seed: int = 0):
+        from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21  # imports this module: lazily
+
+        return make_tiny_qwen_image21(directory, seed=seed)
     default_guidance_scale = 1.0  # the pipeline's default: 2.1 is sampled without guidance
     default_num_steps = 40  # QwenImage21Pipeline's num_inference_steps default
     supports_kv_cache = True

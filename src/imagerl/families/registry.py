@@ -23,6 +23,12 @@ def _import_builtin() -> None:
     from imagerl.families import qwen_image, qwen_image21  # noqa: F401  (registration on import)
 
 
+def tiny_families() -> dict[str, type]:
+    """model.path names of tiny random checkpoints ("tiny", "tiny21", ...) -> their family class."""
+    _import_builtin()
+    return {cls.tiny_name: cls for cls in FAMILIES.values() if cls.tiny_name}
+
+
 def _unknown(name: str) -> ValueError:
     return ValueError(
         f"cannot tell the model family of {name!r}; pass --family (or model.family=) with one of: "
