@@ -1,4 +1,4 @@
-"""The FP8 GEMM of families/fp8_linear.py on a CUDA GPU against float64 arithmetic (issue 40): the layer's own
+"""The FP8 GEMM of families/layers/fp8_linear.py on a CUDA GPU against float64 arithmetic (issue 40): the layer's own
 factors vs factors re-quantized in float64 from the definition, and torch._scaled_mm with and without
 use_fast_accum. Prints one line per comparison (mismatches at rtol 2^-7, atol 1e-5; max abs difference).
 
@@ -7,7 +7,7 @@ use_fast_accum. Prints one line per comparison (mismatches at rtol 2^-7, atol 1e
 
 import torch
 
-from imagerl.families.fp8_linear import Fp8Linear, quantize_rows
+from imagerl.families.layers.fp8_linear import Fp8Linear, quantize_rows
 from test_fp8_linear import _dequantized, _e4m3_neighbours_at_ties, _factors_product
 
 

@@ -1,5 +1,5 @@
 """What sample.off_window_fp8 does to images and rewards: held-out prompts sampled twice from the same noise,
-once with the merged weights in the model dtype and once with every step in FP8 (families/fp8_linear.py).
+once with the merged weights in the model dtype and once with every step in FP8 (families/layers/fp8_linear.py).
 
 Every step in FP8 bounds the rollout's effect from above: a Flow-GRPO rollout runs only its off-window steps
 in FP8 (e.g. 7 of 10) and the window steps, the ones trained on, in bf16. Reports the paired reward difference
@@ -42,7 +42,7 @@ def main() -> None:
     from imagerl.data import load_prompt_set, resolve_prompt_file
     from imagerl.distributed.parallel import init_world
     from imagerl.evaluation import run_evaluation
-    from imagerl.families.merged_lora import MergedLora
+    from imagerl.families.layers.merged_lora import MergedLora
     from imagerl.families.registry import family_class
     from imagerl.model_defaults import model_defaults
     from imagerl.rewards import Scorer

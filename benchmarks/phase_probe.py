@@ -30,7 +30,7 @@ import torch
 
 import imagerl.algorithms.flow_grpo as flow_grpo
 import imagerl.rollout as rollout_module
-from imagerl.families.merged_lora import MergedLora
+from imagerl.families.layers.merged_lora import MergedLora
 from imagerl.families.qwen_image import QwenImageFamily
 from imagerl.perf.bench import run_bench
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 22 on one GPU in one call (device calls are capped at 600 s): is the compiled 2.1 backward right with
-# prepare_compile (RoPE as real pairs, attention without cuDNN: families/attention_backends.py), and if so, the
+# prepare_compile (RoPE as real pairs, attention without cuDNN: families/layers/attention_backends.py), and if so, the
 # compiled variants beside the baseline in one process.
 #   bash benchmarks/qwen21_compile_session.sh $OUT        (the wheels of ../shared/tools/device-wheels.sh in .whl/)
 # Steps, each under `timeout` within one deadline (SESSION_S, default 570 s), so one hang leaves the rest:

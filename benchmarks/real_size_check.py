@@ -39,7 +39,7 @@ def build_qwen_image(device):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from imagerl.families.qwen_image import QwenImageFamily
-    from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG, build_tiny_tokenizer
+    from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     with torch.device(device):
@@ -64,8 +64,8 @@ def build_qwen_image21(device):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     from imagerl.families.qwen_image21 import QwenImage21Family
-    from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
-    from imagerl.families.tiny_checkpoint21 import build_tiny_processor
+    from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
+    from imagerl.families.qwen_image21.tiny import build_tiny_processor
 
     processor = build_tiny_processor()
     with torch.device(device):

@@ -49,7 +49,7 @@ def main() -> None:
 
     from imagerl.config import RewardConfig
     from imagerl.families.qwen_image import QwenImageFamily
-    from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+    from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
     from imagerl.perf.real_size import build_qwen_image
 
     suite = build_suite("ocr", reward_cfg=RewardConfig(), device=device)
@@ -95,7 +95,7 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name()}: ocr suite, {n} of 1018 prompts, 512x512, 10 steps, CFG 4, batch "
           f"{args.batch_size}; build {build_s:.0f} s; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    print(f"| phase | seconds | images/s | OCR s | 1018 prompts (min, extrapolated) |")
+    print("| phase | seconds | images/s | OCR s | 1018 prompts (min, extrapolated) |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['seconds']:.1f} | {r['images_per_s']:.2f} | {r['ocr_s']:.1f} | "

@@ -9,7 +9,7 @@ import time
 import torch
 
 from imagerl.families.qwen_image import QwenImageFamily
-from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
 from imagerl.perf.bench import _prompts
 from imagerl.perf.real_size import build_qwen_image
 

@@ -1,4 +1,3 @@
-import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A tiny random Qwen-Image checkpoint in the hub layout, built once per test session."""
-    from imagerl.families.tiny_checkpoint import make_tiny_qwen_image
+    from imagerl.families.qwen_image.tiny import make_tiny_qwen_image
 
     return make_tiny_qwen_image(tmp_path_factory.mktemp("ckpt") / "tiny-qwen-image")
 

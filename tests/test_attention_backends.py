@@ -1,4 +1,4 @@
-"""exclude_cudnn_attention (families/attention_backends.py): the compiled 2.1 blocks run their attention with the
+"""exclude_cudnn_attention (families/layers/attention_backends.py): the compiled 2.1 blocks run their attention with the
 cuDNN backend off (its compiled backward faulted on the GPU, RESULTS.md issue 22 run Y), in eager and inside
 a fullgraph torch.compile, and backends turned off before (parallel.deterministic) stay off. That the 2.1
 family applies it to every block before compiling: tests/test_qwen_image21_adapter.py."""
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from imagerl.families.attention_backends import backends_without_cudnn, exclude_cudnn_attention
+from imagerl.families.layers.attention_backends import backends_without_cudnn, exclude_cudnn_attention
 
 
 class PlainAttention(torch.nn.Module):

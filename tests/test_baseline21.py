@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import QwenImage21Pipeline
 
-from imagerl.families.tiny_checkpoint21 import load_processor21, make_tiny_qwen_image21
+from imagerl.families.qwen_image21.tiny import load_processor21, make_tiny_qwen_image21
 from imagerl.perf.baseline21 import QWEN_IMAGE21_LORA_TARGETS, BaselineSettings21, FlowGRPOBaseline21
 
 PROMPT = "a red cube on a wooden table"

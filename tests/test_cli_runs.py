@@ -5,7 +5,6 @@ ends with one line and the last checkpoint resumes."""
 import json
 from pathlib import Path
 
-import pytest
 
 from imagerl.cli import main
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from imagerl.families.qwen_image21 import QwenImage21Family
-from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
+from imagerl.families.qwen_image21.tiny import make_tiny_qwen_image21
 from imagerl.rollout import batch_conditioning
 
 PROMPTS = ["a cat", 'A neon sign that says "OPEN" above a bakery door', "three red apples on a wooden table"]

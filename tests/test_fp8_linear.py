@@ -1,11 +1,11 @@
-"""sample.off_window_fp8: FP8 linear layers (families/fp8_linear.py) for the rollout's off-window steps."""
+"""sample.off_window_fp8: FP8 linear layers (families/layers/fp8_linear.py) for the rollout's off-window steps."""
 
 import pytest
 import torch
 
 from conftest import tiny_config
-from imagerl.families.fp8_linear import E4M3, Fp8Linear, quantize_rows
-from imagerl.families.merged_lora import MergedLora
+from imagerl.families.layers.fp8_linear import E4M3, Fp8Linear, quantize_rows
+from imagerl.families.layers.merged_lora import MergedLora
 from test_merged_lora import _adapter, _velocities
 
 
@@ -132,7 +132,7 @@ def test_off_window_fp8_needs_merge_lora(tiny_checkpoint, tmp_path):
 
 
 def test_a_device_without_fp8_matmuls_is_refused_before_the_model_loads(monkeypatch):
-    from imagerl.families import fp8_linear
+    from imagerl.families.layers import fp8_linear
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")

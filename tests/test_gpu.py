@@ -129,7 +129,7 @@ def test_fp8_linear_on_gpu_is_the_float64_product_of_its_quantized_factors():
     divided by a Python number is multiplied by its reciprocal on CUDA), which breaks other ties than the CPU's
     amax / 448: either neighbour is within half an e4m3 step, as checked below."""
     from test_fp8_linear import _e4m3_neighbours_at_ties, _factors_product
-    from imagerl.families.fp8_linear import Fp8Linear, quantize_rows
+    from imagerl.families.layers.fp8_linear import Fp8Linear, quantize_rows
 
     torch.manual_seed(0)
     w, x = torch.randn(256, 512) * 0.02, torch.randn(7, 33, 512)  # M = 231 rows: not a multiple of 16
@@ -161,7 +161,7 @@ def test_fp8_linear_on_gpu_is_the_float64_product_of_its_quantized_factors():
 def test_compiled_qwen_image21_training_is_on_policy(tmp_path, overrides):
     """Compiled 2.1 blocks (RoPE as real pairs, attention without cuDNN: the family's prepare_compile) replay the
     rollout exactly and train on finite gradients (their values: tests/test_compile21_gradients.py)."""
-    from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
+    from imagerl.families.qwen_image21.tiny import make_tiny_qwen_image21
     from imagerl.train import train
 
     checkpoint = make_tiny_qwen_image21(tmp_path / "tiny21")

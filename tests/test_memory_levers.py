@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_config
 from imagerl.components import load_adapter
 from imagerl.distributed.parallel import World
-from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
+from imagerl.families.qwen_image21.tiny import make_tiny_qwen_image21
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""sample.merge_lora: the rollout's off-window steps on merged weights (families/merged_lora.py)."""
+"""sample.merge_lora: the rollout's off-window steps on merged weights (families/layers/merged_lora.py)."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from conftest import tiny_config
 from imagerl.components import load_adapter, resolve_family_defaults
 from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
 from imagerl.distributed.parallel import World
-from imagerl.families.merged_lora import MergedLora
+from imagerl.families.layers.merged_lora import MergedLora
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window
 from imagerl.algorithms.flow_grpo import _step_log_prob

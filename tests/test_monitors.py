@@ -62,7 +62,6 @@ def test_training_logs_the_monitors_and_stop_on_drift_saves_then_stops(tiny_chec
     import json
 
     from conftest import tiny_config
-    from imagerl.cli import main
     from imagerl.train import DriftStop, train
 
     run = tmp_path / "run"

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_config
 from imagerl.components import resolve_model_path
 from imagerl.config import load_config
-from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set, load_train_test
+from imagerl.data import bundled_prompt_file, load_prompt_set, load_train_test
 from imagerl.families.qwen_image import QwenImageFamily
 from imagerl.rewards.shapes import ShapesReward
 from imagerl.synthetic import all_specs, caption_of, draw, is_test_spec, layout, parse_caption

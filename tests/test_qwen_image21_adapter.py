@@ -17,7 +17,7 @@ import imagerl
 from conftest import tiny_config
 from imagerl.checkpoint import save_lora
 from imagerl.families.qwen_image21 import PROMPT_TEMPLATE, SYSTEM_PROMPT, QwenImage21Family
-from imagerl.families.tiny_checkpoint21 import load_processor21, make_tiny_qwen_image21
+from imagerl.families.qwen_image21.tiny import load_processor21, make_tiny_qwen_image21
 from imagerl.sampling import flow_sde_step, flow_timesteps
 from imagerl.train import train
 
@@ -31,7 +31,7 @@ def tiny21(tmp_path_factory):
 
 
 def load_pipe(path):
-    # transformers cannot load a Qwen3VLProcessor without torchvision (see tiny_checkpoint21.py)
+    # transformers cannot load a Qwen3VLProcessor without torchvision (see families/qwen_image21/tiny.py)
     pipe = QwenImage21Pipeline.from_pretrained(path, processor=load_processor21(path / "processor"))
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -7,7 +7,7 @@ import torch
 from diffusers import QwenImagePipeline
 
 from imagerl.families.qwen_image import QwenImageFamily, pack_latents, unpack_latents
-from imagerl.families.tiny_checkpoint import QWEN_IMAGE_TEMPLATE_DROP, build_tiny_tokenizer, template_prefix_length
+from imagerl.families.qwen_image.tiny import QWEN_IMAGE_TEMPLATE_DROP, build_tiny_tokenizer, template_prefix_length
 from imagerl.sampling import flow_sde_step, flow_sigmas, flow_timesteps
 
 PROMPTS = ['A neon sign that says "OPEN" above a bakery door', "a cat"]

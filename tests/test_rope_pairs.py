@@ -1,16 +1,16 @@
-"""Qwen-Image 2.1's RoPE as real pairs (families/rope_pairs.py) against diffusers' complex product."""
+"""Qwen-Image 2.1's RoPE as real pairs (families/layers/rope_pairs.py) against diffusers' complex product."""
 
 import pytest
 import torch
 from diffusers.models.transformers import transformer_qwenimage21 as t21
 
 from imagerl.families.qwen_image21 import QwenImage21Family
-from imagerl.families.rope_pairs import rope_product
-from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
+from imagerl.families.layers.rope_pairs import rope_product
+from imagerl.families.qwen_image21.tiny import make_tiny_qwen_image21
 
 
 def _diffusers_rope():
-    from imagerl.families import rope_pairs
+    from imagerl.families.layers import rope_pairs
 
     return rope_pairs._DIFFUSERS_ROPE  # diffusers' function as imported, whether or not replaced since
 

@@ -8,7 +8,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift as diffusers_calculate_shift
 
-from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
 from imagerl.sampling import calculate_shift, flow_sigmas, flow_timesteps
 
 QWEN = dict(QWEN_IMAGE_SCHEDULER_CONFIG)

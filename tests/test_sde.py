@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
 from imagerl.sampling import calculate_shift, flow_sde_step, flow_sigmas
 
 QWEN = dict(QWEN_IMAGE_SCHEDULER_CONFIG)

@@ -36,7 +36,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny21(tmp_path_factory):
-    from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21
+    from imagerl.families.qwen_image21.tiny import make_tiny_qwen_image21
 
     return make_tiny_qwen_image21(tmp_path_factory.mktemp("ckpt21") / "tiny-qwen-image21")
 

@@ -1,11 +1,11 @@
-"""families/vae_single_frame.py: a still image's causal 3D convolutions as 2D ones, against diffusers' own."""
+"""families/layers/vae_single_frame.py: a still image's causal 3D convolutions as 2D ones, against diffusers' own."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLQwenImage
 
-from imagerl.families.vae_single_frame import single_frame_convs
+from imagerl.families.layers.vae_single_frame import single_frame_convs
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,7 @@ class SampleConfig:
     """With sample.merge_lora: the merged weights are quantized to FP8 (e4m3, a scale per output channel; the
     activations scaled per token at each call) and the steps outside the SDE window run FP8 GEMMs (CUDA compute
     capability 8.9+). Faster and half the merged copies' memory, but not the bf16 function: each layer's
-    output moves by about 3.6 % rms of its size (families/fp8_linear.py). The window steps and training keep bf16,
+    output moves by about 3.6 % rms of its size (families/layers/fp8_linear.py). The window steps and training keep bf16,
     so the replay stays exact. benchmarks/RESULTS.md has its speed and its effect on images and rewards."""
     kv_cache: bool = False
     """qwen_image21 only: the rollout's steps outside the SDE window reuse the text prefix's keys/values (the

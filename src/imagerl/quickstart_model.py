@@ -94,7 +94,7 @@ def build_base_checkpoint(out_dir: Path, vae, latents_mean, latents_std, caption
     """Hub-layout Qwen-Image checkpoint: the trained VAE, a fresh transformer, tiny text encoder + tokenizer."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
 
-    from imagerl.families.tiny_checkpoint import (QWEN_IMAGE_SCHEDULER_CONFIG, build_tiny_text_encoder,
+    from imagerl.families.qwen_image.tiny import (QWEN_IMAGE_SCHEDULER_CONFIG, build_tiny_text_encoder,
                                                   build_tiny_tokenizer, template_prefix_length)
 
     tokenizer = build_tiny_tokenizer(extra_corpus=captions)

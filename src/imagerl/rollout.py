@@ -19,7 +19,7 @@ import torch
 from imagerl.config import Config
 from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
-from imagerl.families.merged_lora import MergedLora
+from imagerl.families.layers.merged_lora import MergedLora
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
 from imagerl.sampling.window import step_grid
 from imagerl.sampling.ode import ODESolverState, ode_step
@@ -160,7 +160,7 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
 
     # train.timestep_staging: the trajectory waits on the CPU; the update copies each step's inputs back
     staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
-    # sample.merge_lora: the steps outside the window run on merged weights (families/merged_lora.py)
+    # sample.merge_lora: the steps outside the window run on merged weights (families/layers/merged_lora.py)
     off_window = MergedLora(adapter.transformer, s.off_window_fp8).applied if s.merge_lora else contextlib.nullcontext
     # sample.post_window_steps: the steps after the window may visit fewer of the schedule's points (MixGRPO-Flash)
     grid = step_grid(s.num_steps, window, s.post_window_steps)

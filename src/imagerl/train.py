@@ -41,7 +41,7 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Pa
     world = init_world(cfg.model.device)
     plan = validate(cfg, world.size)  # every config error before anything slow
     if cfg.sample.off_window_fp8:
-        from imagerl.families.fp8_linear import check_fp8_device
+        from imagerl.families.layers.fp8_linear import check_fp8_device
 
         check_fp8_device(world.device)
     check_reward_config(cfg.reward)  # names and model paths, before any model loads

@@ -123,7 +123,7 @@ def loading(path: Path, component: str):
 
 
 class FamilyAdapter:
-    """Base class; see families/qwen_image.py for the contract of each method."""
+    """Base class; see families/qwen_image/__init__.py for the contract of each method."""
 
     name: str = ""
     name_patterns: tuple[str, ...] = ()

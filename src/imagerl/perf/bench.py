@@ -173,7 +173,7 @@ class Bench:
 
     def new_adapter(self):
         """A family adapter around the shared modules (no LoRA yet)."""
-        from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+        from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
 
         if self.family == "qwen_image":
             from imagerl.families.qwen_image import QwenImageFamily as Family
@@ -281,7 +281,7 @@ class Bench:
         qwen_image21: perf/baseline21.py, no CFG), same geometry and reward."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG
+        from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
         from imagerl.metrics import gc_pauses
 
         def reward_fn(images, prompts):
@@ -313,7 +313,7 @@ class Bench:
 
             from imagerl.perf.baseline21 import BaselineSettings21, FlowGRPOBaseline21
 
-            # the bench's "tokenizer" for 2.1 is a Qwen3VLProcessor (tiny_checkpoint21.build_tiny_processor), what
+            # the bench's "tokenizer" for 2.1 is a Qwen3VLProcessor (qwen_image21/tiny.py, build_tiny_processor), what
             # QwenImage21Pipeline takes as `processor`; sample_sigmas None: the linspace grid, as the imagerl rows
             pipe = QwenImage21Pipeline(processor=self.tokenizer, **modules)
             settings = BaselineSettings21(batch_size=BASELINE21_BATCH_SIZE,

@@ -62,7 +62,7 @@ def build_qwen_image(device, prompts: list[str], layers: int | None = None, bloc
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from imagerl.families.tiny_checkpoint import build_tiny_tokenizer
+    from imagerl.families.qwen_image.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(vocab_size=8192, extra_corpus=prompts)
     text = _text_spec(QWEN25_VL_7B, blocks if layers is None else layers, len(tokenizer))
@@ -83,7 +83,7 @@ def build_qwen_image21(device, prompts: list[str], layers: int | None = None, bl
     from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from imagerl.families.tiny_checkpoint21 import build_tiny_processor
+    from imagerl.families.qwen_image21.tiny import build_tiny_processor
 
     processor = build_tiny_processor()
     text = _text_spec(QWEN3_VL_8B, blocks if layers is None else layers, len(processor.tokenizer))

@@ -24,7 +24,7 @@ import torch
 from imagerl.families.base import (Conditioning, FamilyAdapter, PromptCache, check_components, group_rows_by_length,
                                    loading, read_json, read_model_index)
 from imagerl.families.registry import register_family
-from imagerl.families.vae_single_frame import single_frame_convs
+from imagerl.families.layers.vae_single_frame import single_frame_convs
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -73,7 +73,7 @@ class QwenImageFamily(FamilyAdapter):
 
     @classmethod
     def build_tiny_checkpoint(cls, directory, seed: int = 0):
-        from imagerl.families.tiny_checkpoint import make_tiny_qwen_image  # imports this module: lazily
+        from imagerl.families.qwen_image.tiny import make_tiny_qwen_image  # imports this module: lazily
 
         return make_tiny_qwen_image(directory, seed=seed)
     default_guidance_scale = 4.0  # flow_grpo's Qwen-Image recipe (rollout, training and eval)

@@ -106,14 +106,14 @@ class QwenImage21Family(FamilyAdapter):
         Qwen3VLProcessor without torchvision, which neither imagerl nor the pipeline's text path needs."""
         from pathlib import Path
 
-        from imagerl.families.tiny_checkpoint21 import load_processor21
+        from imagerl.families.qwen_image21.tiny import load_processor21
 
         components.setdefault("processor", load_processor21(Path(path) / "processor"))
         return super().load_pipeline(path, **components)
 
     @classmethod
     def build_tiny_checkpoint(cls, directory, seed: int = 0):
-        from imagerl.families.tiny_checkpoint21 import make_tiny_qwen_image21  # imports this module: lazily
+        from imagerl.families.qwen_image21.tiny import make_tiny_qwen_image21  # imports this module: lazily
 
         return make_tiny_qwen_image21(directory, seed=seed)
     default_guidance_scale = 1.0  # the pipeline's default: 2.1 is sampled without guidance
@@ -140,8 +140,8 @@ class QwenImage21Family(FamilyAdapter):
     def prepare_compile(self) -> None:
         """Compiled blocks get the RoPE as real pairs: no complex operators in the Inductor graph (rope_pairs.py),
         and attention without the cuDNN backend, whose compiled backward faults on the GPU (attention_backends.py)."""
-        from imagerl.families.attention_backends import exclude_cudnn_attention
-        from imagerl.families.rope_pairs import use_real_rope_pairs
+        from imagerl.families.layers.attention_backends import exclude_cudnn_attention
+        from imagerl.families.layers.rope_pairs import use_real_rope_pairs
 
         use_real_rope_pairs(self.transformer)
         exclude_cudnn_attention(self.transformer_blocks())

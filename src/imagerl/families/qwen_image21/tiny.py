@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from imagerl.families.qwen_image21 import PROMPT_TEMPLATE as QWEN_IMAGE21_TEMPLATE
-from imagerl.families.tiny_checkpoint import QWEN_IMAGE_SCHEDULER_CONFIG, TINY_TEXT_DIM, build_tiny_tokenizer
+from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, TINY_TEXT_DIM, build_tiny_tokenizer
 
 TINY21_Z_DIM = 8  # VAE latent channels == transformer in/out channels (2.1 consumes latents unpatched)
 

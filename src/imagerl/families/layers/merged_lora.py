@@ -10,7 +10,7 @@ The window steps and the training forwards keep the unmerged weights, so the rep
 The merged copies live as long as the MergedLora object (qwen_image, r64 on the 12 targets: 13.6 B weights,
 27 GB in bf16, 13.6 GB in FP8); the caller drops it after the rollout, before training allocates its activations.
 With fp8=True (sample.off_window_fp8) each merged weight is quantized to e4m3 and its layer runs an FP8 GEMM
-(families/fp8_linear.py): not the same function up to rounding any more, but still never replayed.
+(families/layers/fp8_linear.py): not the same function up to rounding any more, but still never replayed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from imagerl.families.fp8_linear import Fp8Linear, check_fp8_device, fp8_alignable
+from imagerl.families.layers.fp8_linear import Fp8Linear, check_fp8_device, fp8_alignable
 
 
 def _merged(module, names: list[str], weight: torch.Tensor) -> torch.Tensor:
