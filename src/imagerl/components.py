@@ -10,7 +10,7 @@ import torch
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
 
-TINY_CHECKPOINTS = ("tiny", "tiny21")  # the families' tiny_name (families/registry.tiny_families; a test checks)
+TINY_CHECKPOINTS = ("tiny", "tiny21", "tiny_sd3")  # the families' tiny_name (families/registry.tiny_families; a test checks)
 BUNDLED_MODELS = {"quickstart": "quickstart-model"}  # in imagerl/assets; BUILD.json there says how it was made
 NAMED_MODELS = {*TINY_CHECKPOINTS, *BUNDLED_MODELS}
 

@@ -153,6 +153,18 @@ class FamilyAdapter:
         return pipe
 
     @classmethod
+    def pipeline_call_kwargs(cls, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline's guidance arguments (Qwen-Image's true CFG; SD3's guidance_scale)."""
+        return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt}
+
+    def to_pipeline_latents(self, latents_BNC: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """imagerl's (B, N, C) latents as the pipeline's `latents=` argument and `output_type="latent"` output."""
+        return latents_BNC
+
+    def from_pipeline_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return latents
+
+    @classmethod
     def build_tiny_checkpoint(cls, directory, seed: int = 0):
         """Write a tiny random checkpoint of this family in the hub's diffusers layout (its pipeline's
         save_pretrained) to `directory`; return the path. Tests and `imagerl make-tiny-checkpoint` use it."""
