@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="generate images (ODE; size, steps and guidance: the model's defaults)",
                        description="Settings not given: the model's imagerl_defaults.json (the quickstart model: 64 px, "
                        "10 steps, guidance 1), else the family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1).")
-    p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21")
+    p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several images")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
     p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Settings not given (size, steps, guidance, reward): the model's "
                        "imagerl_defaults.json (the quickstart model: 64 px, 10 steps, guidance 1, shapes), else the "
                        "family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1; jpeg_compressibility).")
-    p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21")
+    p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
     p.add_argument("--lora", action="append", default=None, help="a LoRA directory (the lora/ folder of an imagerl "
                    "checkpoint); with --suite repeat it to compare several beside the base model")
@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="supervised flow-matching fine-tuning on image-caption pairs (LoRA or full)",
                        description="Train: imagerl sft --model PATH --data FILE_OR_DIR --output-dir DIR [key=value ...]. "
                        "Export: imagerl sft --export RUN_DIR OUT_DIR. Settings: docs/sft.md (SFTConfig).")
-    p.add_argument("--model", default=None, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 (same as model=)")
+    p.add_argument("--model", default=None, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3 (same as model=)")
     p.add_argument("--data", default=None, help="JSONL ({\"image\": path, \"prompt\": text} per line) or folder of images + .txt")
     p.add_argument("--output-dir", default=None, help="run directory (default runs/sft)")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_sft)
     p = sub.add_parser("make-tiny-checkpoint", help="write a tiny random checkpoint in the hub layout")
     p.add_argument("directory")
-    p.add_argument("--family", default="qwen_image", help="a registered family (qwen_image, qwen_image21, ...)")
+    p.add_argument("--family", default="qwen_image", help="a registered family (qwen_image, qwen_image21, sd3)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_tiny)
     p = sub.add_parser("make-synthetic-data", help="write a shapes-world data set (images, captions, prompt files)")
