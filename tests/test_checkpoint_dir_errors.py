@@ -175,7 +175,8 @@ def test_public_resolve_family_unknown_name():
     import imagerl
 
     with pytest.raises(ValueError, match="--family"):
-        imagerl.resolve_family("stabilityai/stable-diffusion-3.5-medium")
+        imagerl.resolve_family("some-lab/some-unknown-model")
+    assert imagerl.resolve_family("stabilityai/stable-diffusion-3.5-medium") == "sd3"
 
 
 # ---------------------------------------------------------------- the command line fails fast
