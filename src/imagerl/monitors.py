@@ -93,13 +93,22 @@ class DriftMonitor:
             metrics[f"monitor/{name}_std"] = float(values.std(correction=0))
             if self.max_drift > 0 and math.isfinite(drift) and abs(drift) > self.max_drift:
                 past = True
-                last = self.last_warned.get(name)
-                if last is None or step - last >= self.warn_every:
-                    self.last_warned[name] = step
+                if self.warns(name, step, drift):
                     warnings.append(f"rollout {step}: monitor {name} drifted {drift:+.1f} spreads from rollout 1 "
                                     f"({first:.4g} -> {mean:.4g}; monitor.max_drift={self.max_drift:g}): the policy "
                                     "may be gaming its reward; look at the sample grids")
         return metrics, warnings, past and self.stop_on_drift
+
+    def warns(self, name: str, step: int, drift: float) -> bool:
+        """Whether `name`'s drift at `step` gets a warning line (past max_drift, the first time and then every
+        warn_every rollouts); records it. A resume replays the logged drifts through this."""
+        if not (self.max_drift > 0 and math.isfinite(drift) and abs(drift) > self.max_drift):
+            return False
+        last = self.last_warned.get(name)
+        if last is not None and step - last < self.warn_every:
+            return False
+        self.last_warned[name] = step
+        return True
 
     def state(self) -> dict:
         return {"reference": self.reference, "last_warned": self.last_warned}

@@ -215,10 +215,16 @@ def _drift_monitor(cfg: Config, run_dir: Path, start: int, world):
     m = cfg.monitor
     monitor = DriftMonitor(m.max_drift, m.warn_every, m.stop_on_drift)
     if start > 0 and (run_dir / "metrics.jsonl").is_file():
-        first = next((r for r in read_metrics(run_dir) if r.get("step") == 1 and "monitor/saturation" in r), None)
+        records = read_metrics(run_dir)
+        first = next((r for r in records if r.get("step") == 1 and "monitor/saturation" in r), None)
         if first is not None:
-            monitor.load_state({"reference": {n: (first[f"monitor/{n}"], first[f"monitor/{n}_std"]) for n in MONITORS},
-                                "last_warned": _warnings_so_far(read_metrics(run_dir), start, m)})
+            monitor.load_state({"reference": {n: (first[f"monitor/{n}"], first[f"monitor/{n}_std"]) for n in MONITORS}})
+            for r in records:  # replay the warning schedule, so a resumed run warns as an
+                if 0 < r.get("step", 0) <= start:  # uninterrupted one would
+                    for n in MONITORS:
+                        drift = r.get(f"monitor/{n}_drift")
+                        if isinstance(drift, (int, float)):
+                            monitor.warns(n, r["step"], drift)
 
     def observe(done: int, images, metrics: dict, write) -> bool:
         values, warnings, stop = monitor.observe(done, images)
@@ -232,24 +238,6 @@ def _drift_monitor(cfg: Config, run_dir: Path, start: int, world):
         return bool(world.all_reduce_mean_(flag).item() > 0)
 
     return observe
-
-
-def _warnings_so_far(records: list[dict], start: int, m) -> dict[str, int]:
-    """The rollout each monitor last warned at up to `start`, replayed from its logged drifts (DriftMonitor's rule:
-    past max_drift, the first time and then every warn_every rollouts), so a resumed run warns when the
-    uninterrupted one would."""
-    from imagerl.monitors import MONITORS
-
-    last: dict[str, int] = {}
-    for r in records:
-        if not 0 < r.get("step", 0) <= start:
-            continue
-        for name in MONITORS:
-            drift = r.get(f"monitor/{name}_drift")
-            if m.max_drift > 0 and isinstance(drift, (int, float)) and abs(drift) > m.max_drift and \
-                    (name not in last or r["step"] - last[name] >= m.warn_every):
-                last[name] = r["step"]
-    return last
 
 
 def _report_cpu_rollout_time(cfg: Config, adapter, world) -> None:
