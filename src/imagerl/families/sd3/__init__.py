@@ -10,7 +10,8 @@ Mirrors diffusers 0.42.1 `StableDiffusion3Pipeline` (pipelines/stable_diffusion_
   latents   (B, 16, H/8, W/8) noise; kept here as (B, H/8 * W/8, 16) (channels last), which the SDE and its
             log-prob (means over all latent values) treat alike.
   timestep  the transformer receives the scheduler timestep (0..1000) as is.
-  CFG       v = u + s (c - u), uncond and cond in one batch (diffusers: [uncond, cond]; here [cond, uncond]).
+  CFG       v = u + s (c - u), uncond and cond in one batch (diffusers: [uncond, cond]; here [cond, uncond]);
+            u detached, as flow_grpo's train_sd3.py trains it (the gradient flows through the cond rows).
   decode    x / scaling_factor + shift_factor, VAE decode (float32), (x / 2 + 0.5).clamp(0, 1).
 """
 
@@ -177,6 +178,9 @@ class SD3Family(FamilyAdapter):
         if not cond.cfg:
             return pred
         c, u = pred.chunk(2)
+        # flow_grpo scripts/train_sd3.py compute_log_prob detaches the uncond prediction: the same velocity, and the
+        # policy gradient flows through the cond rows only (guidance x d(cond)), not (1 - guidance) x d(uncond) too
+        u = u.detach()
         return u + cond.guidance_scale * (c - u)
 
     @torch.no_grad()
