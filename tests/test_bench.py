@@ -64,7 +64,7 @@ def test_the_shared_transformer_is_returned_to_its_plain_state(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--dry-run", "--variant", ":model.vae_dtype=bfloat16"], "must look like 'name:section.key=value"),
     (["bench", "--dry-run", "--variant", "recipe (compile: batch 8):"], "a name cannot contain ':'"),
-    (["bench", "--dry-run", "--family", "sd3"], "unknown family 'sd3'"),
+    (["bench", "--dry-run", "--family", "sdxl"], "unknown family 'sdxl'"),
     # checked before any model is built: a bad variant after good ones must not cost the good ones' GPU time
     (["bench", "--dry-run", "--variant", "ok:", "--variant", "b16:sample.batch_size=4,train.num_optimizer_steps=8"],
      "variant 'b16': 1 training batches per rank (of 4 samples) cannot be split evenly"),
@@ -149,3 +149,43 @@ def test_bench_builder_with_blocks_keeps_the_released_block_dims():
     assert len(transformer.transformer_blocks) == 1
     assert transformer.config.num_attention_heads == 24 and transformer.config.attention_head_dim == 128  # released
     assert text_encoder.config.text_config.num_hidden_layers == 1
+
+
+def test_dry_bench_sd3_runs_flow_grpos_sd3_loop_beside_imagerl(tmp_path):
+    """`imagerl bench --family sd3` on the CPU: the baseline is flow_grpo's train_sd3.py loop on
+    StableDiffusion3Pipeline (perf/bench_sd3.py); both replay exactly and, with the same settings (every SDE step
+    unmerged, no checkpointing), count the same FLOPs; the text length is CLIP's 77 + T5's cap."""
+    rows = run_bench("sd3", {"imagerl": [], "merged": ["sample.merge_lora=true"]}, warmup=0, iterations=1, dry=True,
+                     out=tmp_path, echo=lambda *_: None)
+    assert [r.name for r in rows] == ["baseline (diffusers+peft)", "imagerl", "merged"]
+    for r in rows:
+        assert r.images_per_s > 0 and r.train_pairs_per_s > 0 and r.rollout_mfu > 0 and r.train_mfu > 0
+        assert r.log_prob_mean_abs_diff == 0.0
+    assert rows[0].text_tokens == rows[1].text_tokens == 77 + 128
+    flops = [(r.rollout_mfu * r.rollout_s, r.train_mfu * r.train_s) for r in rows[:2]]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-9)
+    assert rows[2].rollout_mfu * rows[2].rollout_s < flops[1][0]  # the merged ODE step runs no LoRA matmuls
+
+
+def test_counted_flops_of_sd3_match_the_mmdit_formula():
+    """perf/counted_flops.py on SD3.5-Medium's released config (meta device): per block of an image of I tokens and
+    L text tokens, 2 x 12 D^2 per token (q, k, v, out, 4x MLP) + 4 D (I + L)^2 joint attention, + 8 D^2 I + 4 D I^2
+    for the 13 dual-attention blocks' second attention; the last block has no text output or MLP; the LoRA on the
+    8 attention projections 2 r (D + D) per row each (the last block's to_add_out has no text output)."""
+    from diffusers import SD3Transformer2DModel
+
+    from imagerl.perf.bench_sd3 import SD35_MEDIUM, _meta_inputs
+    from imagerl.perf.counted_flops import counted_forward_flops
+
+    config = SD35_MEDIUM
+    d, layers, image, text, r = 1536, 24, 1024, 205, 32
+    counted = counted_forward_flops(SD3Transformer2DModel, config, _meta_inputs, (64, text))
+    blocks = (layers * (24 * d * d * image + 4 * d * (image + text) ** 2)  # image stream + joint attention
+              + (layers - 1) * 24 * d * d * text + 2 * 3 * d * d * text  # text stream (the last: q, k, v only)
+              + 13 * (8 * d * d * image + 4 * d * image * image))  # dual attention: q, k, v, out and attention
+    assert counted == pytest.approx(blocks, rel=0.005)  # the rest (0.2 %): embedders, modulation, projections
+    lora = counted_forward_flops(SD3Transformer2DModel, config, _meta_inputs, (64, text), r,
+                                 ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                                  "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")) - counted
+    per_row = 2 * r * 2 * d
+    assert lora == 4 * per_row * image * layers + 3 * per_row * text * layers + per_row * text * (layers - 1)

@@ -128,6 +128,9 @@ class FamilyAdapter:
     name: str = ""
     name_patterns: tuple[str, ...] = ()
     default_guidance_scale: float = 1.0
+    # whether guidance_scale > 1 means true CFG: a negative-prompt row per sample, combined in velocity (False:
+    # a guidance-distilled model such as FLUX.1-dev takes guidance_scale as an input and has one row per sample)
+    true_cfg: bool = True
     default_num_steps: int = 50  # the pipeline's num_inference_steps default (inference only)
     default_resolution: int = 1024
     supports_kv_cache: bool = False
@@ -328,6 +331,10 @@ class FamilyAdapter:
         prompts it lacks."""
         with self.text_encoder_on_device():
             return self._encode_uncached(prompts)
+
+    def text_token_count(self, embeds_LD: torch.Tensor) -> int:
+        """The text tokens the transformer sees for one prompt's encode_prompts tensor (sd3: less its pooled row)."""
+        return embeds_LD.shape[0]
 
     def text_encoder_module(self) -> torch.nn.Module | None:
         """The text-encoder module the adapter calls (its forward runs the decoder layers)."""

@@ -79,12 +79,14 @@ def _sync(device):
 
 
 class FlowGRPOBaseline:
+    lora_targets = QWEN_IMAGE_LORA_TARGETS
+
     def __init__(self, pipe, reward_fn, settings: BaselineSettings, device, adapter_name="baseline"):
         self.pipe, self.reward_fn, self.s, self.device = pipe, reward_fn, settings, torch.device(device)
         self.transformer, self.adapter_name = pipe.transformer, adapter_name
         self.dtype = self.transformer.dtype
         assert settings.group_size % settings.num_optimizer_steps == 0, "group_size must split into optimizer steps"
-        self._add_trainable_lora(QWEN_IMAGE_LORA_TARGETS)
+        self._add_trainable_lora(self.lora_targets)
 
     def _add_trainable_lora(self, targets) -> None:
         """flow_grpo: freeze the base model, add a gaussian-init LoRA, keep the trainable LoRA params in fp32,
@@ -174,8 +176,7 @@ class FlowGRPOBaseline:
         for start in range(0, s.group_size, s.batch_size):
             n = min(s.batch_size, s.group_size - start)
             text = self._encode(prompt, n)
-            latents = pipe.prepare_latents(n, self.transformer.config.in_channels // 4, s.height, s.width,
-                                           text[0].dtype, self.device, generator).float()
+            latents = self._initial_latents(n, text[0].dtype, generator)
             traj = ([], [], [])
             for i, t in enumerate(timesteps):
                 velocity = self._velocity(latents, t, text)
@@ -195,6 +196,11 @@ class FlowGRPOBaseline:
         return {"images": torch.cat(images), "text": tuple(cat([t[k] for t in texts]) for k in range(4)),
                 "latents": cat(before), "next_latents": cat(after), "log_probs": cat(log_probs),
                 "timesteps": timesteps, "sigmas": sigmas}
+
+    def _initial_latents(self, n: int, dtype, generator):
+        """QwenImagePipeline.prepare_latents: packed 2x2 noise (its in_channels count the packed channels)."""
+        return self.pipe.prepare_latents(n, self.transformer.config.in_channels // 4, self.s.height, self.s.width,
+                                         dtype, self.device, generator).float()
 
     def _replay_velocity(self, traj, sl: slice, j: int, i: int):
         """The velocity of rows `sl` at their j-th SDE step (denoising step i), with grad, for the replay."""

@@ -29,9 +29,11 @@ import torch
 
 from imagerl.perf.bench_rows import Row, format_table, iteration_record, make_row
 
-FAMILIES = ("qwen_image", "qwen_image21")
-RECIPES = {"qwen_image": "qwen_image_jpeg", "qwen_image21": "qwen_image21_jpeg"}
-NFT_RECIPES = {"qwen_image": "qwen_image_nft_ocr", "qwen_image21": "qwen_image21_nft_ocr"}
+FAMILIES = ("qwen_image", "qwen_image21", "sd3")
+# families whose bench parts (released-size build, adapter, baseline, FLOPs, geometry) live in perf/bench_<family>.py
+MODULE_FAMILIES = ("sd3",)
+RECIPES = {"qwen_image": "qwen_image_jpeg", "qwen_image21": "qwen_image21_jpeg", "sd3": "sd3_5_ocr"}
+NFT_RECIPES = {"qwen_image": "qwen_image_nft_ocr", "qwen_image21": "qwen_image21_nft_ocr", "sd3": "sd3_5_nft_ocr"}
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
 GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.height=512", "sample.width=512",
             "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_start=3", "train.num_optimizer_steps=2",
@@ -57,6 +59,24 @@ DEFAULT_VARIANTS = {
                      "imagerl (recipe), off-window steps not KV-cached": ["sample.kv_cache=false"],
                      "imagerl (recipe), off-window steps in FP8": ["sample.off_window_fp8=true"]},
 }
+
+
+def _family_module(family: str):
+    """perf/bench_<family>.py for the families in MODULE_FAMILIES, else None (Qwen-Image's parts are here)."""
+    import importlib
+
+    return importlib.import_module(f"imagerl.perf.bench_{family}") if family in MODULE_FAMILIES else None
+
+
+def geometry(family: str, dry: bool) -> list[str]:
+    """The bench geometry's overrides for the family (its module's settings after the shared ones)."""
+    module = _family_module(family)
+    own = module.GEOMETRY + (module.DRY_GEOMETRY if dry else []) if module else []
+    return GEOMETRY + (DRY_GEOMETRY if dry else []) + own
+
+
+for _family in MODULE_FAMILIES:
+    DEFAULT_VARIANTS[_family] = _family_module(_family).DEFAULT_VARIANTS
 # `--algorithm diffusion_nft`: the NFT recipe with and without timestep staging beside the family's Flow-GRPO recipe
 # (a variant's `recipe=NAME` picks its recipe; the bench geometry and reward apply to all)
 NFT_VARIANTS = {family: {"flow_grpo recipe": [f"recipe={RECIPES[family]}"],
@@ -93,6 +113,9 @@ def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: lis
     cached: a KV-cached qwen_image21 rollout step."""
     from imagerl.perf import flops
 
+    module = _family_module(family)
+    if module:
+        return module.forward_flops(transformer, image_tokens, text_tokens, lora_rank, targets, cached=cached)
     if family == "qwen_image":
         dims = flops.QwenImageDims.from_config(transformer.config)
         return sum(flops.qwen_image_forward_flops(dims, image_tokens, length, lora_rank, tuple(targets))
@@ -136,7 +159,7 @@ def check_variants(family: str, dry: bool, variants: dict[str, list[str]], profi
     ValueError naming it, not a crash after the rows before it."""
     if family not in FAMILIES:
         raise ValueError(f"imagerl bench: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    base = GEOMETRY + (DRY_GEOMETRY if dry else [])
+    base = geometry(family, dry)
     for name, overrides in [*variants.items(), *((f"--profile {','.join(p)}", p) for p in profiles)]:
         try:
             variant_config(family, base, overrides)
@@ -158,12 +181,13 @@ class Bench:
         self.warmup, self.iterations = warmup, iterations
         self.prompts = _prompts()
         save_pickscore_size_clip(workdir / "pickscore", device, dry=dry)
-        build = build_qwen_image if family == "qwen_image" else build_qwen_image21
+        module = _family_module(family)
+        build = module.build if module else build_qwen_image if family == "qwen_image" else build_qwen_image21
         t0 = time.perf_counter()
         self.transformer, self.vae, self.text_encoder, self.tokenizer = build(
             device, self.prompts, 1 if dry else None, blocks=None if dry else blocks)
         self.build_s = time.perf_counter() - t0
-        self.base_overrides = GEOMETRY + (DRY_GEOMETRY if dry else []) + [f"reward.pickscore_model={workdir / 'pickscore'}"]
+        self.base_overrides = geometry(family, dry) + [f"reward.pickscore_model={workdir / 'pickscore'}"]
         if device.type != "cuda":
             self.base_overrides.append("model.device=cpu")
         self.scorer = Scorer(load_config(RECIPES[family], self.base_overrides).reward, device)
@@ -175,6 +199,9 @@ class Bench:
         """A family adapter around the shared modules (no LoRA yet)."""
         from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
 
+        module = _family_module(self.family)
+        if module:
+            return module.new_adapter((self.transformer, self.vae, self.text_encoder, self.tokenizer), self.device)
         if self.family == "qwen_image":
             from imagerl.families.qwen_image import QwenImageFamily as Family
         else:
@@ -258,8 +285,9 @@ class Bench:
                     phases, peak = timer.pop_metrics(), _peak_gib(self.device)
                     if it >= self.warmup:
                         negative = getattr(rollout, "negative", None)
-                        lengths = [rollout.text_B[0].shape[0]] + (
-                            [negative.shape[0]] if negative is not None and cfg.sample.guidance_scale > 1 else [])
+                        lengths = [adapter.text_token_count(rollout.text_B[0])] + (
+                            [adapter.text_token_count(negative)]
+                            if negative is not None and cfg.sample.guidance_scale > 1 else [])
                         text_tokens.append(lengths)
                         # (DiffusionNFT replays nothing: no log-prob difference)
                         lp_diff = getattr(stats, "log_prob_mean_abs_diff", float("nan"))
@@ -276,7 +304,7 @@ class Bench:
         finally:
             self.restore(adapter)
 
-    def run_baseline(self, ceiling: float, gradient_checkpointing: bool = True) -> Row:
+    def run_baseline(self, ceiling: float, gradient_checkpointing: bool | None = None) -> Row:
         """The family's plain Flow-GRPO loop on diffusers + peft (qwen_image: perf/baseline.py, true CFG 4;
         qwen_image21: perf/baseline21.py, no CFG), same geometry and reward."""
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -289,6 +317,9 @@ class Bench:
 
         cfg = self.config([])
         s = cfg.sample
+        module = _family_module(self.family)
+        if gradient_checkpointing is None:  # flow_grpo checkpoints Qwen-Image's blocks, not SD3's (train_sd3.py)
+            gradient_checkpointing = module.BASELINE_CHECKPOINTING if module else True
         torch.manual_seed(cfg.run.seed)  # the LoRA's gaussian init
         modules = dict(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=self.vae,
                        text_encoder=self.text_encoder, transformer=self.transformer)
@@ -300,7 +331,11 @@ class Bench:
         # unmerged on every step (the qwen_image recipe merges it off the window: not the baseline)
         flops_overrides = [f"model.gradient_checkpointing={gradient_checkpointing}", "model.checkpoint_every=1",
                            "sample.kv_cache=false", "sample.merge_lora=false"]
-        if self.family == "qwen_image":
+        if module:
+            baseline, flops_overrides = module.new_baseline(
+                (self.transformer, self.vae, self.text_encoder, self.tokenizer), reward_fn, cfg, self.device,
+                gradient_checkpointing)
+        elif self.family == "qwen_image":
             from diffusers import QwenImagePipeline
 
             from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
@@ -336,7 +371,9 @@ class Bench:
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
         adapter = self.new_adapter()
-        if self.family == "qwen_image":  # a cond and a negative-prompt row per sample (true CFG)
+        if module and s.guidance_scale > 1:  # the negative prompt is padded as the prompt (sd3: 77 + T5 length)
+            rows = [[length, length] for length in text_tokens]
+        elif self.family == "qwen_image":  # a cond and a negative-prompt row per sample (true CFG)
             negative = adapter.encode_prompts([s.negative_prompt])[0].shape[0]
             rows = [[length, negative] for length in text_tokens]
         else:  # no CFG: the cond row only

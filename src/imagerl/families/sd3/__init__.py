@@ -156,6 +156,9 @@ class SD3Family(FamilyAdapter):
             return self._encode_uncached(prompts, length)
         return self.prompt_cache.get_many(prompts, self.encode_missing)
 
+    def text_token_count(self, embeds_LD: torch.Tensor) -> int:
+        return embeds_LD.shape[0] - 1  # the last row holds the pooled projection
+
     def conditioning(self, cond, uncond, guidance_scale: float, kv_cache: bool = False) -> Conditioning:
         assert not kv_cache, "sd3 has no prefix KV cache"
         cfg = guidance_scale > 1 and uncond is not None
