@@ -29,11 +29,12 @@ import torch
 
 from imagerl.perf.bench_rows import Row, format_table, iteration_record, make_row
 
-FAMILIES = ("qwen_image", "qwen_image21", "sd3")
+FAMILIES = ("qwen_image", "qwen_image21", "sd3", "flux")
 # families whose bench parts (released-size build, adapter, baseline, FLOPs, geometry) live in perf/bench_<family>.py
-MODULE_FAMILIES = ("sd3",)
-RECIPES = {"qwen_image": "qwen_image_jpeg", "qwen_image21": "qwen_image21_jpeg", "sd3": "sd3_5_ocr"}
-NFT_RECIPES = {"qwen_image": "qwen_image_nft_ocr", "qwen_image21": "qwen_image21_nft_ocr", "sd3": "sd3_5_nft_ocr"}
+MODULE_FAMILIES = ("sd3", "flux")
+RECIPES = {"qwen_image": "qwen_image_jpeg", "qwen_image21": "qwen_image21_jpeg", "sd3": "sd3_5_ocr", "flux": "flux_ocr"}
+NFT_RECIPES = {"qwen_image": "qwen_image_nft_ocr", "qwen_image21": "qwen_image21_nft_ocr", "sd3": "sd3_5_nft_ocr",
+               "flux": "flux_ocr"}
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
 GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.height=512", "sample.width=512",
             "sample.num_steps=10", "sample.num_sde_steps=2", "sample.sde_window_start=3", "train.num_optimizer_steps=2",
@@ -225,7 +226,7 @@ class Bench:
         samples = s.prompts_per_rollout * s.group_size
         from imagerl.perf.memory_estimate import checkpointed_blocks
 
-        blocks = len(self.transformer.transformer_blocks)
+        blocks = len(adapter.transformer_blocks())  # flux: the double- and single-stream blocks
         recomputed = checkpointed_blocks(cfg.model, blocks) / blocks
         train = training_flops(forward, full_fine_tune=False, recompute=recomputed)
         if cfg.train.algorithm != "diffusion_nft":
@@ -371,7 +372,7 @@ class Bench:
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
         adapter = self.new_adapter()
-        if module and s.guidance_scale > 1:  # the negative prompt is padded as the prompt (sd3: 77 + T5 length)
+        if module and s.guidance_scale > 1 and adapter.true_cfg:  # the negative prompt padded as the prompt (sd3)
             rows = [[length, length] for length in text_tokens]
         elif self.family == "qwen_image":  # a cond and a negative-prompt row per sample (true CFG)
             negative = adapter.encode_prompts([s.negative_prompt])[0].shape[0]
