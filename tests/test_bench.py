@@ -189,3 +189,18 @@ def test_counted_flops_of_sd3_match_the_mmdit_formula():
                                   "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")) - counted
     per_row = 2 * r * 2 * d
     assert lora == 4 * per_row * image * layers + 3 * per_row * text * layers + per_row * text * (layers - 1)
+
+
+def test_dry_bench_flux_runs_a_dancegrpo_style_loop_beside_imagerl(tmp_path):
+    """`imagerl bench --family flux` on the CPU: one row per sample (the distilled guidance is an input, no negative
+    prompt), T5 at the geometry's cap; the baseline (perf/bench_flux.py on FluxPipeline) and imagerl with every
+    block checkpointed and the LoRA unmerged count the same FLOPs, and both replay exactly."""
+    rows = run_bench("flux", {"imagerl": ["model.checkpoint_blocks=0"]}, warmup=0, iterations=1, dry=True,
+                     out=tmp_path, echo=lambda *_: None)
+    assert [r.name for r in rows] == ["baseline (diffusers+peft)", "imagerl"]
+    for r in rows:
+        assert r.images_per_s > 0 and r.train_pairs_per_s > 0 and r.rollout_mfu > 0 and r.train_mfu > 0
+        assert r.log_prob_mean_abs_diff == 0.0
+    assert rows[0].text_tokens == rows[1].text_tokens == 64  # the dry geometry's T5 cap; no pooled row counted
+    flops = [(r.rollout_mfu * r.rollout_s, r.train_mfu * r.train_s) for r in rows]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-9)
