@@ -10,7 +10,7 @@ import torch
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
 
-TINY_CHECKPOINTS = ("tiny", "tiny21", "tiny_sd3")  # the families' tiny_name (families/registry.tiny_families; a test checks)
+TINY_CHECKPOINTS = ("tiny", "tiny21", "tiny_sd3", "tiny_flux")  # the families' tiny_name (families/registry.tiny_families; a test checks)
 BUNDLED_MODELS = {"quickstart": "quickstart-model"}  # in imagerl/assets; BUILD.json there says how it was made
 NAMED_MODELS = {*TINY_CHECKPOINTS, *BUNDLED_MODELS}
 
@@ -99,6 +99,7 @@ def resolve_family_defaults(cfg: Config, adapter) -> None:
     """Fill settings left to the family (guidance scale) and reject ones it cannot honour."""
     if cfg.sample.guidance_scale is None:  # DiffusionNFT samples CFG-free (NVlabs: guidance 1.0)
         nft = cfg.train.algorithm == "diffusion_nft"
-        cfg.sample.guidance_scale = 1.0 if nft else adapter.default_guidance_scale
+        # (a guidance-distilled family has no CFG to turn off: its guidance input keeps the family's default)
+        cfg.sample.guidance_scale = 1.0 if nft and adapter.true_cfg else adapter.default_guidance_scale
     if cfg.sample.kv_cache and not adapter.supports_kv_cache:
         raise ValueError(f"sample.kv_cache=true: the {adapter.name} family has no text prefix KV cache; set it to false")

@@ -33,7 +33,10 @@ def rollout_flops(cfg, family_name: str, transformer_config: dict) -> int:
     else:
         forward = flops.qwen_image_forward_flops(flops.QwenImageDims.from_config(transformer_config),
                                                  image_tokens, TEXT_TOKENS)
-    rows = 2 if (s.guidance_scale or 1.0) > 1 else 1
+    from imagerl.families.registry import FAMILIES, _import_builtin
+
+    _import_builtin()  # a family without true CFG (flux: guidance is an input) has one row per sample
+    rows = 2 if getattr(FAMILIES.get(family_name), "true_cfg", True) and (s.guidance_scale or 1.0) > 1 else 1
     trained = s.num_steps if cfg.train.algorithm == "diffusion_nft" else s.num_sde_steps
     samples = s.prompts_per_rollout * s.group_size
     return samples * rows * forward * (s.num_steps + 3 * trained)
@@ -72,7 +75,8 @@ def measured_rollout_seconds(adapter, cfg, ranks: int = 1) -> float:
     s = cfg.sample
     batch = max(1, min(s.batch_size, s.prompts_per_rollout * s.group_size))
     text = adapter.encode_prompts(["a photo"] * batch, s.max_sequence_length)
-    negative = adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0] if s.guidance_scale > 1 else None
+    negative = (adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0]
+                if s.guidance_scale > 1 and adapter.true_cfg else None)
     cond = batch_conditioning(adapter, text, negative, s.guidance_scale)
     x = torch.cat([adapter.initial_noise([torch.Generator().manual_seed(i)], s.height, s.width) for i in range(batch)])
     x = x.to(adapter.device, torch.float32)

@@ -20,7 +20,7 @@ def register_family(cls):
 
 
 def _import_builtin() -> None:
-    from imagerl.families import qwen_image, qwen_image21, sd3  # noqa: F401  (registration on import)
+    from imagerl.families import flux, qwen_image, qwen_image21, sd3  # noqa: F401  (registration on import)
 
 
 def tiny_families() -> dict[str, type]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 2**30
 TRAIN_BLOCK_BYTES = 37.0
@@ -76,14 +76,16 @@ class ModelDims:
     latent_values: int  # one sample's packed latent (image_tokens x channels)
     text_hidden: int  # the prompt embeddings' width
     text_bytes_per_value: int = 2
+    true_cfg: bool = True  # the family's true_cfg: guidance_scale > 1 doubles the rows (False: FLUX.1's guidance input)
 
     @classmethod
     def of(cls, adapter, height: int, width: int) -> "ModelDims":
         """A loaded family adapter with its LoRA (components.load_adapter): the LoRA as added."""
         rank = next((getattr(m, "r", {}).get("default") for m in adapter.transformer.modules()
                      if isinstance(getattr(m, "r", None), dict)), 0) or 0
-        return cls.from_modules(adapter.transformer, adapter.text_encoder, adapter.vae, rank,
-                                adapter.lora_target_modules, adapter.image_seq_len(height, width))
+        return replace(cls.from_modules(adapter.transformer, adapter.text_encoder, adapter.vae, rank,
+                                        adapter.lora_target_modules, adapter.image_seq_len(height, width)),
+                       true_cfg=adapter.true_cfg)
 
     @classmethod
     def from_modules(cls, transformer, text_encoder, vae, lora_rank: int, lora_targets, image_tokens: int) -> "ModelDims":
@@ -149,7 +151,7 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
     s, t = cfg.sample, cfg.train
     nft = t.algorithm == "diffusion_nft"
     shard = world_size if fsdp else 1
-    cfg_rows = 2 if (s.guidance_scale or 1.0) > 1.0 else 1
+    cfg_rows = 2 if dims.true_cfg and (s.guidance_scale or 1.0) > 1.0 else 1
     tokens = dims.image_tokens + (text_tokens if text_tokens is not None else s.max_sequence_length)
     samples_per_rank = -(-s.prompts_per_rollout * s.group_size // world_size)
     prompts_per_rank = -(-s.prompts_per_rollout // world_size)
