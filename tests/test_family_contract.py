@@ -138,6 +138,20 @@ def test_a_resumed_run_equals_the_uninterrupted_one(family, tmp_path):
     assert [keys(r) for r in _records(tmp_path / "straight")] == [keys(r) for r in _records(tmp_path / "resumed")]
 
 
+def test_the_text_encoder_fsdp_shards_is_a_module_with_its_layers(family):
+    """parallel.text_encoder shards text_encoder_module() by text_encoder_layers() (distributed/fsdp.py):
+    fully_shard needs a module with a forward (not the ModuleList that holds sd3's or flux's encoders), and the
+    layers must be inside it."""
+    cls, path = family
+    adapter = cls.from_pretrained(path, torch.device("cpu"), torch.float32)
+    module = adapter.text_encoder_module()
+    assert isinstance(module, torch.nn.Module) and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
+    assert type(module).forward is not torch.nn.Module.forward
+    inside = {id(m) for m in module.modules()}
+    layers = adapter.text_encoder_layers()
+    assert layers and all(id(layer) in inside for layer in layers)
+
+
 @pytest.mark.slow
 def test_regional_compile_runs_on_a_cpu_and_replays_exactly(family, tmp_path):
     from imagerl.train import train

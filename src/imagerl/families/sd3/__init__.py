@@ -156,6 +156,15 @@ class SD3Family(FamilyAdapter):
             return self._encode_uncached(prompts, length)
         return self.prompt_cache.get_many(prompts, self.encode_missing)
 
+    def text_encoder_module(self) -> torch.nn.Module:
+        """T5 (T5-XXL: 4.76 B of SD3.5's 5.6 B text-encoder parameters), what parallel.text_encoder shards under
+        FSDP; the two CLIPs stay whole on every rank (fully_shard refuses the ModuleList holding all three)."""
+        return self.text_encoder[2]
+
+    def text_encoder_layers(self) -> list[torch.nn.Module]:
+        """T5's blocks, the units it is sharded by (T5EncoderModel keeps them in `encoder.block`)."""
+        return list(self.text_encoder[2].encoder.block)
+
     def text_token_count(self, embeds_LD: torch.Tensor) -> int:
         return embeds_LD.shape[0] - 1  # the last row holds the pooled projection
 
