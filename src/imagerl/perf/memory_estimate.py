@@ -113,9 +113,12 @@ class ModelDims:
         text_config = getattr(text_config, "text_config", None) or text_config
         return cls(transformer_bytes=size(transformer, lambda n: "lora_" in n), text_encoder_bytes=size(text_encoder),
                    vae_bytes=size(vae), lora_params=lora, merge_target_params=sum(m.weight.numel() for m in targets),
-                   blocks=len(transformer.transformer_blocks), hidden=hidden, image_tokens=image_tokens,
+                   # flux: its 38 single-stream blocks beside the 19 double-stream ones
+                   blocks=len(transformer.transformer_blocks) + len(getattr(transformer, "single_transformer_blocks", ())),
+                   hidden=hidden, image_tokens=image_tokens,
                    latent_values=image_tokens * config.in_channels,
-                   text_hidden=getattr(text_config, "hidden_size", 0) or 0)
+                   # sd3 / flux hold several encoders (no config): their embeddings are the transformer's width
+                   text_hidden=getattr(text_config, "hidden_size", 0) or getattr(config, "joint_attention_dim", 0) or 0)
 
 
 @dataclass(frozen=True)
