@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(deletes its checkpoints, metrics, images and plots); without it such a directory is refused")
     p.add_argument("--output-dir", default=None, help="run directory (default: run.output_dir of the recipe)")
     p.add_argument("--model", default=None, help="local diffusers-format checkpoint (same as model.path=)")
-    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
+    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 | sd3 | flux (default: from the checkpoint)")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels and seeds (same as "
                    "parallel.deterministic=true); several GPUs: torchrun --nproc_per_node N -m imagerl train ...")
     p.add_argument("overrides", nargs="*", help="e.g. train.lr=1e-4 sample.group_size=8")
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "10 steps, guidance 1), else the family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1).")
     p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several images")
-    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
+    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 | sd3 | flux (default: from the checkpoint)")
     p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
     p.add_argument("--steps", type=int, default=None, help="ODE steps (default: the model's, else the family's: "
                    "50 / 40 for 2.1)")
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "imagerl_defaults.json (the quickstart model: 64 px, 10 steps, guidance 1, shapes), else the "
                        "family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1; jpeg_compressibility).")
     p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3")
-    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
+    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 | sd3 | flux (default: from the checkpoint)")
     p.add_argument("--lora", action="append", default=None, help="a LoRA directory (the lora/ folder of an imagerl "
                    "checkpoint); with --suite repeat it to compare several beside the base model")
     p.add_argument("--suite", default=None, help="shapes | ocr | geneval | reward:NAME: the measures papers report, "
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3 (same as model=)")
     p.add_argument("--data", default=None, help="JSONL ({\"image\": path, \"prompt\": text} per line) or folder of images + .txt")
     p.add_argument("--output-dir", default=None, help="run directory (default runs/sft)")
-    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 (default: from the checkpoint)")
+    p.add_argument("--family", default=None, help="qwen_image | qwen_image21 | sd3 | flux (default: from the checkpoint)")
     p.add_argument("--resume", default=None, help="'latest', a run directory or a checkpoint directory; settings "
                    "not given again come from <output-dir>/sft_config.yaml")
     p.add_argument("--export", nargs=2, metavar=("RUN_DIR", "OUT_DIR"), default=None,
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_sft)
     p = sub.add_parser("make-tiny-checkpoint", help="write a tiny random checkpoint in the hub layout")
     p.add_argument("directory")
-    p.add_argument("--family", default="qwen_image", help="a registered family (qwen_image, qwen_image21, sd3)")
+    p.add_argument("--family", default="qwen_image", help="a registered family (qwen_image, qwen_image21, sd3, flux)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_tiny)
     p = sub.add_parser("make-synthetic-data", help="write a shapes-world data set (images, captions, prompt files)")
@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_build_quickstart_model)
     p = sub.add_parser("bench", help="throughput and MFU of whole RL iterations on released-size random "
                        "models (GPU), imagerl beside a diffusers + peft flow_grpo-style baseline")
-    p.add_argument("--family", default="qwen_image", help="qwen_image | qwen_image21 (each with its diffusers + peft baseline)")
+    p.add_argument("--family", default="qwen_image", help="qwen_image | qwen_image21 | sd3 | flux (each with its diffusers + peft baseline)")
     p.add_argument("--variant", action="append", default=[], help="'name:override,override' (repeatable), e.g. "
                    "'compile b8:parallel.compile=true,sample.batch_size=8'; default: the family's standard set")
     p.add_argument("--algorithm", default="flow_grpo", help="flow_grpo | diffusion_nft (default variants: the NFT "

@@ -23,10 +23,10 @@ import yaml
 class ModelConfig:
     path: str = "tiny"
     """Local diffusers-format checkpoint directory; "quickstart" for the small pretrained shapes-world
-    Qwen-Image shipped with imagerl; or "tiny" / "tiny21" for a tiny random Qwen-Image / Qwen-Image 2.1
-    built on first use (in $IMAGERL_CACHE or ~/.cache/imagerl)."""
+    Qwen-Image shipped with imagerl; or "tiny" / "tiny21" / "tiny_sd3" / "tiny_flux" for a tiny random
+    Qwen-Image / Qwen-Image 2.1 / SD3 / FLUX.1 built on first use (in $IMAGERL_CACHE or ~/.cache/imagerl)."""
     family: str = "auto"
-    """Family adapter name ("qwen_image"), or "auto" to resolve from the checkpoint."""
+    """Family adapter name (qwen_image, qwen_image21, sd3, flux), or "auto" to resolve from the checkpoint."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ..."""
     dtype: str = "auto"
@@ -108,7 +108,8 @@ class SampleConfig:
     num_steps: int = 10
     guidance_scale: typing.Optional[float] = None
     """CFG scale, the same in rollout and training; <= 1 disables CFG. None: the family's default
-    (qwen_image 4.0, true CFG with norm rescale; qwen_image21 1.0, no CFG: plain CFG when > 1)."""
+    (qwen_image 4.0, true CFG with norm rescale; qwen_image21 1.0, no CFG: plain CFG when > 1; sd3 4.5, plain CFG;
+    flux 3.5, FLUX.1-dev's distilled guidance: an input of the transformer, never a negative-prompt row)."""
     negative_prompt: str = " "
     max_sequence_length: int = 512
     noise_level: float = 1.2
