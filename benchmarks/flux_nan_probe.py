@@ -57,6 +57,30 @@ def main():
     finite("rollout latents", traj["latents"])
     finite("rollout log_probs", traj["log_probs"])
     finite("images", traj["images"])
+    # the training replay (grad on): log-prob and LoRA gradient, with and without checkpointing, SDPA default or
+    # without cuDNN
+    from contextlib import nullcontext
+
+    from imagerl.families.layers.attention_backends import backends_without_cudnn
+    from imagerl.perf.baseline import sde_step_with_logprob
+
+    for checkpointing in (True, False):
+        if checkpointing:
+            transformer.enable_gradient_checkpointing()
+        else:
+            transformer.disable_gradient_checkpointing()
+        for label in ("default", "no cudnn"):
+            ctx = sdpa_kernel(backends_without_cudnn()) if label == "no cudnn" else nullcontext()
+            with ctx:
+                v = baseline._replay_velocity(traj, slice(0, 4), 0, 3)
+                _, lp = sde_step_with_logprob(traj["sigmas"], 3, v, traj["latents"][0:4, 0], 0.7,
+                                              prev_sample=traj["next_latents"][0:4, 0])
+                finite(f"replay (checkpointing {checkpointing}, {label}) velocity", v)
+                finite(f"replay (checkpointing {checkpointing}, {label}) log-prob", lp)
+                lp.mean().backward()
+            grads = [p.grad for p in baseline.lora_params if p.grad is not None]
+            print(f"  LoRA grads: {len(grads)}, finite {all(bool(torch.isfinite(g).all()) for g in grads)}", flush=True)
+            baseline.optimizer.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":

@@ -142,18 +142,18 @@ def test_loading_a_directory_with_an_invalid_model_index_says_so(tmp_path):
 
 
 def test_unknown_explicit_family_lists_the_known_ones(tiny):
-    with pytest.raises(ValueError, match=r"unknown family 'flux'; available: qwen_image"):
-        resolve_family(tiny, "flux")
+    with pytest.raises(ValueError, match=r"unknown family 'sdxl'; available: flux, qwen_image"):
+        resolve_family(tiny, "sdxl")
 
 
-@pytest.mark.parametrize("index", [None, '{"_class_name": "FluxPipeline"}', "not json"])
+@pytest.mark.parametrize("index", [None, '{"_class_name": "StableDiffusionXLPipeline"}', "not json"])
 def test_unrecognisable_directory_says_to_set_the_family(tmp_path, index):
     path = tmp_path / "mystery-model"
     path.mkdir()
     if index is not None:
         (path / "model_index.json").write_text(index)
     with pytest.raises(ValueError, match=r"cannot tell the model family of .*mystery-model.*; pass --family \(or "
-                                         r"model\.family=\) with one of: qwen_image"):
+                                         r"model\.family=\) with one of: flux, qwen_image, qwen_image21, sd3"):
         resolve_family(path)
 
 

@@ -122,6 +122,16 @@ class FlowGRPOBaselineFlux(FlowGRPOBaseline):
     def cfg(self) -> bool:
         return False  # guidance-distilled: guidance_scale is the guidance embedding's input
 
+    def iteration(self, prompt: str, generator_seed: int) -> dict:
+        """Without cuDNN attention, as the flux family: its backward at these shapes gave NaN gradients and an
+        illegal memory access on an H100 (benchmarks/RESULTS.md runs AS-AU); a diffusers user meets the same."""
+        from torch.nn.attention import sdpa_kernel
+
+        from imagerl.families.layers.attention_backends import backends_without_cudnn
+
+        with sdpa_kernel(backends_without_cudnn()):
+            return super().iteration(prompt, generator_seed)
+
     def _encode(self, prompt, n):
         embeds, pooled, text_ids = self.pipe.encode_prompt(prompt=[prompt] * n, prompt_2=None, device=self.device,
                                                            num_images_per_prompt=1,

@@ -92,6 +92,13 @@ class FluxFamily(FamilyAdapter):
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.prompt_cache = PromptCache(prompt_cache_size)
         self._prompt_caches = {T5_MAX_LENGTH: self.prompt_cache}  # one cache per T5 length
+        if self.device.type == "cuda":
+            # cuDNN attention's backward at FLUX.1-dev's shapes (24 heads x 128, 1024 image + 512 text tokens) gave
+            # NaN LoRA gradients, then an illegal memory access, on an H100 with torch 2.11, eager and compiled alike
+            # (benchmarks/RESULTS.md runs AS-AU); every block attends with the other SDPA kernels
+            from imagerl.families.layers.attention_backends import exclude_cudnn_attention
+
+            exclude_cudnn_attention(self.transformer_blocks())
 
     @classmethod
     def from_pretrained(cls, path, device, dtype, prompt_cache_size: int = 4096):
