@@ -11,8 +11,10 @@ of each kind and the text towers to that many narrow layers.
 
 Geometry: the shared bench's (one prompt x 16 images at 512 px, 10 steps, SDE window {3, 4} at a fixed start, LoRA
 r64/a128) with FLUX.1-dev's distilled guidance 3.5 as an input (one row per sample, no negative prompt), T5 at 512
-tokens, noise level 0.7 (MixGRPO's eta), the LoRA on the flux_ocr recipe's targets (DanceGRPO's). Both sides recompute every block in the backward (DanceGRPO trains FLUX with
---gradient_checkpointing), training batch 4.
+tokens, noise level 0.7 (MixGRPO's eta), the LoRA on the flux_ocr recipe's targets (DanceGRPO's). Both sides
+recompute every block in the backward (DanceGRPO trains FLUX with --gradient_checkpointing), batch 4 (DanceGRPO
+samples one image per forward: a batch-4 baseline is the stronger comparison). Every block attends without cuDNN
+attention on both sides (its backward faulted at these shapes; benchmarks/RESULTS.md runs AS-AU).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import torch
 
 from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
+from imagerl.perf.bench_sd3 import CLIP_L, CLIP_VOCAB, SD3_VAE, T5_XXL
 
 RECIPE, NFT_RECIPE = "flux_ocr", "flux_ocr"
 GEOMETRY = ["sample.guidance_scale=3.5", "sample.max_sequence_length=512", "sample.batch_size=4", "train.batch_size=4",
@@ -37,14 +40,9 @@ DEFAULT_VARIANTS = {"imagerl (compile, batch 4, checkpointing)": [],
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                 axes_dims_rope=(16, 56, 56))
-CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-              projection_dim=768, hidden_act="quick_gelu", vocab_size=49408)
-T5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, feed_forward_proj="gated-gelu",
-              vocab_size=32128)
-FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-                up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
-                latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
-                use_quant_conv=False, use_post_quant_conv=False)
+# the text towers are SD3.5's CLIP-L and T5-XXL (perf/bench_sd3.py); the VAE is SD3's architecture with FLUX.1-dev's
+# factors (vae/config.json)
+FLUX_VAE = SD3_VAE | {"scaling_factor": 0.3611, "shift_factor": 0.1159}
 
 
 def build(device, prompts: list[str], layers: int | None = None, blocks: int | None = None):
@@ -67,7 +65,8 @@ def build(device, prompts: list[str], layers: int | None = None, blocks: int | N
     t5_small = dict(num_layers=layers, d_ff=256, vocab_size=len(t5_tokenizer)) if layers else {}
     with torch.device(device), _default_dtype(torch.bfloat16):
         transformer = FluxTransformer2DModel(**spec)
-        clip = CLIPTextModel(CLIPTextConfig(**(CLIP_L | clip_small), max_position_embeddings=77,
+        clip_spec = dict(CLIP_L, vocab_size=CLIP_VOCAB) | clip_small
+        clip = CLIPTextModel(CLIPTextConfig(**clip_spec, max_position_embeddings=77,
                                             bos_token_id=clip_tokenizer.bos_token_id,
                                             eos_token_id=clip_tokenizer.eos_token_id,
                                             pad_token_id=clip_tokenizer.pad_token_id))
