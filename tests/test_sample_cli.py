@@ -67,5 +67,5 @@ def test_cli_sample_rejects_a_bad_lora_dir(tiny_checkpoint, tmp_path, capsys):
 def test_train_flags_model_and_family_reach_the_config(tmp_path, capsys):
     rc = main(["train", "--model", str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "run")])
     assert rc == 2 and "nowhere' is not a directory" in capsys.readouterr().err
-    rc = main(["train", "--model", str(tmp_path), "--family", "flux", "--output-dir", str(tmp_path / "run")])
-    assert rc == 2 and "unknown family 'flux'" in capsys.readouterr().err
+    rc = main(["train", "--model", str(tmp_path), "--family", "sdxl", "--output-dir", str(tmp_path / "run")])
+    assert rc == 2 and "unknown family 'sdxl'" in capsys.readouterr().err

@@ -84,7 +84,8 @@ def read_model_index(path: Path) -> dict:
     if not index.is_file():
         raise ValueError(
             f"{path} has no model_index.json: not a diffusers-format checkpoint (expected model_index.json, "
-            "transformer/, vae/, scheduler/, text_encoder/ and tokenizer/ (Qwen-Image) or processor/ (Qwen-Image 2.1))"
+            "transformer/, vae/, scheduler/, text_encoder/ and tokenizer/ (Qwen-Image) or processor/ (Qwen-Image 2.1); "
+            "SD3 and FLUX.1 add text_encoder_2/ and tokenizer_2/ (SD3: _3/ too); copy the whole hub repository)"
         )
     try:
         return json.loads(index.read_text())
