@@ -196,3 +196,29 @@ def test_a_gpu_recipe_on_a_cpu_warns_with_the_expected_time(tmp_path):
     assert warning is not None and "days" in warning and "model.device=cuda" in warning
     quick = load_config("quickstart")
     assert cpu_rollout_warning(quick, resolve_model_path("quickstart"), "qwen_image") is None
+
+
+@pytest.mark.parametrize("family, recipe, low, high", [
+    # 1152 samples x 2 rows x (10 + 3 x 9) forwards of ~2.0e12 FLOPs (SD3.5-M at 1024 image + 64 text tokens)
+    ("sd3", "sd3_5_ocr", 1e17, 3e17),
+    # 192 samples x 1 row x (25 + 3 x 4) forwards of ~3e13 FLOPs (FLUX.1-dev at 2025 image + 64 text tokens: each
+    # token through its own stream's weights in the 19 double blocks, through all of the 38 single blocks')
+    ("flux", "flux_ocr", 1e17, 4e17)])
+def test_the_cpu_estimate_counts_sd3_and_flux_from_their_released_configs(tmp_path, family, recipe, low, high):
+    """A released SD3.5 Medium / FLUX.1-dev on a CPU is warned about before it loads: their FLOPs are counted on the
+    meta device from transformer/config.json (the Qwen formula does not apply to them)."""
+    import json
+
+    from imagerl.config import load_config
+    from imagerl.cpu_estimate import cpu_rollout_warning, rollout_flops
+    from imagerl.perf.bench_flux import FLUX_DEV
+    from imagerl.perf.bench_sd3 import SD35_MEDIUM
+
+    released = tmp_path / family / "transformer"
+    released.mkdir(parents=True)
+    spec = {"sd3": SD35_MEDIUM, "flux": FLUX_DEV}[family]
+    (released / "config.json").write_text(json.dumps({"_class_name": "x", **spec}, default=list))
+    cfg = load_config(recipe)
+    assert low < rollout_flops(cfg, family, json.loads((released / "config.json").read_text())) < high
+    warning = cpu_rollout_warning(cfg, released.parent, family)
+    assert warning is not None and "model.device=cuda" in warning

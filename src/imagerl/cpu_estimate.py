@@ -1,7 +1,8 @@
 """Before a model loads on a CPU: how long one rollout would take there, so that a GPU recipe started without a
 GPU says so (in hours or days) instead of running silently for them.
 
-Before loading: the transformer's analytic FLOPs (perf/flops.py, from transformer/config.json) for one rollout and
+Before loading: the transformer's FLOPs (perf/flops.py's formulas for the Qwen families, torch's FLOP counter on the
+meta device for sd3 and flux; from transformer/config.json) for one rollout and
 its update, over the float32 matmul rate this CPU reaches (measured: a 512^3 matmul, ~50 ms). Text counted as 64
 tokens; text encoder, VAE and rewards not counted, so it is a lower bound: it catches the released models (days).
 After loading (`measured_rollout_seconds`): one transformer forward and one VAE decode of a rollout batch, timed on
@@ -25,9 +26,18 @@ def rollout_flops(cfg, family_name: str, transformer_config: dict) -> int:
     """FLOPs of one rollout (every step, x2 rows with CFG > 1) and its update (3 forwards per trained step)."""
     from imagerl.perf import flops
 
+    from imagerl.perf.bench import MODULE_FAMILIES, _family_module
+
     s = cfg.sample
-    image_tokens = (s.height // 16) * (s.width // 16)  # both families: 16 px per token (8x VAE + 2x2 patch, 16x VAE)
-    if family_name == "qwen_image21":
+    image_tokens = (s.height // 16) * (s.width // 16)  # every family: 16 px per token (8x VAE + 2x2 patch, 16x VAE)
+    if family_name in MODULE_FAMILIES:  # sd3, flux: counted on the meta device (perf/counted_flops.py)
+        from types import SimpleNamespace
+
+        from diffusers.configuration_utils import FrozenDict
+
+        transformer = SimpleNamespace(config=FrozenDict(transformer_config))
+        forward = _family_module(family_name).forward_flops(transformer, image_tokens, [TEXT_TOKENS], 0, ())
+    elif family_name == "qwen_image21":
         forward = flops.qwen_image21_forward_flops(flops.QwenImage21Dims.from_config(transformer_config),
                                                    image_tokens, TEXT_TOKENS)
     else:

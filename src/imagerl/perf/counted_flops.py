@@ -26,8 +26,10 @@ def _count(config_class, config_json: str, make_inputs, inputs_key: tuple, lora_
            lora_targets: tuple[str, ...]) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.device("meta"):
-        model = config_class.from_config(json.loads(config_json)).to(torch.bfloat16)
+    from imagerl.perf.real_size import _default_dtype
+
+    with torch.device("meta"), _default_dtype(torch.bfloat16):
+        model = config_class.from_config(json.loads(config_json))
     lora = [0]
 
     def add_lora(module, args):
