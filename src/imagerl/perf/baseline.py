@@ -45,6 +45,20 @@ class BaselineSettings:
     negative_prompt: str = " "
     gradient_checkpointing: bool = True
 
+    @classmethod
+    def from_config(cls, cfg, batch_size: int, gradient_checkpointing: bool) -> "BaselineSettings":
+        """The settings of an imagerl config's geometry (perf/bench_sd3.py, bench_flux.py): its SDE window's steps (a
+        fixed start; "random" counts from 0), sampling at min(batch_size, sample.batch_size)."""
+        s, t = cfg.sample, cfg.train
+        start = s.sde_window_start if isinstance(s.sde_window_start, int) else 0
+        return cls(height=s.height, width=s.width, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
+                   noise_level=s.noise_level, sde_steps=tuple(range(start, start + s.num_sde_steps)),
+                   group_size=s.group_size, batch_size=min(batch_size, s.batch_size),
+                   num_optimizer_steps=t.num_optimizer_steps, lr=t.lr, clip_range=t.clip_range,
+                   lora_rank=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
+                   max_sequence_length=s.max_sequence_length, negative_prompt=s.negative_prompt,
+                   gradient_checkpointing=gradient_checkpointing)
+
 
 def sde_step_with_logprob(sigmas, i, velocity, sample, noise_level, prev_sample=None, generator=None):
     """flow_grpo sde_step_with_logprob (fp32): one step sigmas[i] -> sigmas[i+1] of the SDE whose marginals match

@@ -167,17 +167,10 @@ def new_baseline(modules, reward_fn, cfg, device, gradient_checkpointing: bool):
     from imagerl.families.flux.tiny import FLUX_DEV_SCHEDULER_CONFIG
 
     transformer, vae, encoders, tokenizers = modules
-    s, t = cfg.sample, cfg.train
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG), vae=vae,
                         text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
                         tokenizer_2=tokenizers[1], transformer=transformer)
-    start = s.sde_window_start if isinstance(s.sde_window_start, int) else 0
-    settings = BaselineSettings(
-        height=s.height, width=s.width, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-        noise_level=s.noise_level, sde_steps=tuple(range(start, start + s.num_sde_steps)), group_size=s.group_size,
-        batch_size=min(BASELINE_BATCH_SIZE, s.batch_size), num_optimizer_steps=t.num_optimizer_steps, lr=t.lr,
-        clip_range=t.clip_range, lora_rank=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
-        max_sequence_length=s.max_sequence_length, gradient_checkpointing=gradient_checkpointing)
+    settings = BaselineSettings.from_config(cfg, BASELINE_BATCH_SIZE, gradient_checkpointing)
     flops_overrides = [f"model.gradient_checkpointing={gradient_checkpointing}", "model.checkpoint_every=1",
                        "model.checkpoint_blocks=0", "sample.merge_lora=false"]
     targets = cfg.model.lora_target_modules or FluxFamily.lora_target_modules
