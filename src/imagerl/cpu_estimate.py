@@ -45,8 +45,8 @@ def rollout_flops(cfg, family_name: str, transformer_config: dict) -> int:
                                                  image_tokens, TEXT_TOKENS)
     from imagerl.families.registry import FAMILIES, _import_builtin
 
-    _import_builtin()  # a family without true CFG (flux: guidance is an input) has one row per sample
-    rows = 2 if getattr(FAMILIES.get(family_name), "true_cfg", True) and (s.guidance_scale or 1.0) > 1 else 1
+    _import_builtin()
+    rows = FAMILIES[family_name].cfg_rows(s.guidance_scale)  # flux: one row (its guidance is an input)
     trained = s.num_steps if cfg.train.algorithm == "diffusion_nft" else s.num_sde_steps
     samples = s.prompts_per_rollout * s.group_size
     return samples * rows * forward * (s.num_steps + 3 * trained)
@@ -85,8 +85,7 @@ def measured_rollout_seconds(adapter, cfg, ranks: int = 1) -> float:
     s = cfg.sample
     batch = max(1, min(s.batch_size, s.prompts_per_rollout * s.group_size))
     text = adapter.encode_prompts(["a photo"] * batch, s.max_sequence_length)
-    negative = (adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0]
-                if s.guidance_scale > 1 and adapter.true_cfg else None)
+    negative = adapter.encode_negative(s.negative_prompt, s.guidance_scale, s.max_sequence_length)
     cond = batch_conditioning(adapter, text, negative, s.guidance_scale)
     x = torch.cat([adapter.initial_noise([torch.Generator().manual_seed(i)], s.height, s.width) for i in range(batch)])
     x = x.to(adapter.device, torch.float32)

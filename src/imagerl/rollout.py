@@ -117,8 +117,7 @@ def _plan(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, initial
     prompts_B = [p for p in groups.prompts_G for _ in range(k)]
     sample_ids_B = [g * k + j for g in groups.group_ids_G for j in range(k)]
     text_B = adapter.encode_prompts(prompts_B, s.max_sequence_length)
-    negative = (adapter.encode_prompts([s.negative_prompt], s.max_sequence_length)[0]
-                if s.guidance_scale > 1 and adapter.true_cfg else None)
+    negative = adapter.encode_negative(s.negative_prompt, s.guidance_scale, s.max_sequence_length)
     sigmas = adapter.sigmas(s.num_steps, s.height, s.width)
     if initial_noise_BNC is None:
         # same_initial_noise: key the noise by the group's first sample id, so every sample of a group shares it
@@ -284,8 +283,7 @@ def ode_sample(adapter, prompts: list[str], *, num_steps: int, guidance_scale: f
     """Deterministic sampling (noise level 0, the Euler ODE) as the family's diffusers pipeline: final
     packed latents (B, N, C), float32. Used by `imagerl sample` and evaluation."""
     text = adapter.encode_prompts(prompts, max_sequence_length)
-    negative = (adapter.encode_prompts([negative_prompt], max_sequence_length)[0]
-                if guidance_scale > 1 and adapter.true_cfg else None)
+    negative = adapter.encode_negative(negative_prompt, guidance_scale, max_sequence_length)
     sigmas = adapter.sigmas(num_steps, height, width)
     timesteps = flow_timesteps(sigmas, adapter.scheduler_config)
     out = []

@@ -123,6 +123,12 @@ def loading(path: Path, component: str):
         raise ValueError(f"cannot load {component} from {path / component}: {type(e).__name__}: {e}") from e
 
 
+def cfg_rows(true_cfg: bool, guidance_scale: float | None) -> int:
+    """Transformer rows per sample: 2 under true CFG with guidance_scale > 1 (the negative prompt's row beside the
+    prompt's), else 1 (no CFG, or a guidance-distilled family whose guidance is an input)."""
+    return 2 if true_cfg and (guidance_scale or 1.0) > 1 else 1
+
+
 class FamilyAdapter:
     """Base class; see families/qwen_image/__init__.py for the contract of each method."""
 
@@ -332,6 +338,17 @@ class FamilyAdapter:
         prompts it lacks."""
         with self.text_encoder_on_device():
             return self._encode_uncached(prompts)
+
+    @classmethod
+    def cfg_rows(cls, guidance_scale: float | None) -> int:
+        """Transformer rows per sample at this guidance scale (cfg_rows below)."""
+        return cfg_rows(cls.true_cfg, guidance_scale)
+
+    def encode_negative(self, negative_prompt: str, guidance_scale: float, max_sequence_length: int):
+        """The negative prompt's embedding when the guidance uses one (true CFG above 1), else None."""
+        if self.cfg_rows(guidance_scale) == 1:
+            return None
+        return self.encode_prompts([negative_prompt], max_sequence_length)[0]
 
     def text_token_count(self, embeds_LD: torch.Tensor) -> int:
         """The text tokens the transformer sees for one prompt's encode_prompts tensor (sd3: less its pooled row)."""

@@ -287,8 +287,7 @@ class Bench:
                     if it >= self.warmup:
                         negative = getattr(rollout, "negative", None)
                         lengths = [adapter.text_token_count(rollout.text_B[0])] + (
-                            [adapter.text_token_count(negative)]
-                            if negative is not None and cfg.sample.guidance_scale > 1 else [])
+                            [adapter.text_token_count(negative)] if negative is not None else [])
                         text_tokens.append(lengths)
                         # (DiffusionNFT replays nothing: no log-prob difference)
                         lp_diff = getattr(stats, "log_prob_mean_abs_diff", float("nan"))
@@ -372,7 +371,7 @@ class Bench:
         if self.transformer.is_gradient_checkpointing:
             self.transformer.disable_gradient_checkpointing()
         adapter = self.new_adapter()
-        if module and s.guidance_scale > 1 and adapter.true_cfg:  # the negative prompt padded as the prompt (sd3)
+        if module and adapter.cfg_rows(s.guidance_scale) == 2:  # the negative prompt padded as the prompt (sd3)
             rows = [[length, length] for length in text_tokens]
         elif self.family == "qwen_image":  # a cond and a negative-prompt row per sample (true CFG)
             negative = adapter.encode_prompts([s.negative_prompt])[0].shape[0]

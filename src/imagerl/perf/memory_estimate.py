@@ -154,7 +154,9 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
     s, t = cfg.sample, cfg.train
     nft = t.algorithm == "diffusion_nft"
     shard = world_size if fsdp else 1
-    cfg_rows = 2 if dims.true_cfg and (s.guidance_scale or 1.0) > 1.0 else 1
+    from imagerl.families.base import cfg_rows as rows_per_sample
+
+    cfg_rows = rows_per_sample(dims.true_cfg, s.guidance_scale)
     tokens = dims.image_tokens + (text_tokens if text_tokens is not None else s.max_sequence_length)
     samples_per_rank = -(-s.prompts_per_rollout * s.group_size // world_size)
     prompts_per_rank = -(-s.prompts_per_rollout // world_size)
