@@ -408,3 +408,19 @@ def _like(value: torch.Tensor, param) -> torch.Tensor:
 
     return distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
                              src_data_rank=None)
+
+
+class PackedLatentFamily(FamilyAdapter):
+    """A family whose 8x VAE latents are packed in 2x2 patches before the transformer (Qwen-Image, FLUX.1): 16 px
+    per token; the pipelines floor other sizes to multiples of 16 px, refused here instead."""
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """VAE latent (h, w) for an image."""
+        f = self.vae_scale_factor * 2
+        if height % f or width % f:
+            raise ValueError(f"sample.height/width must be multiples of {f} for {self.name}, got {height}x{width}")
+        return 2 * (height // f), 2 * (width // f)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        h, w = self.latent_grid(height, width)
+        return (h // 2) * (w // 2)

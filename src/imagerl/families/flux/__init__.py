@@ -29,7 +29,7 @@ import torch
 
 from imagerl.families.base import (
     Conditioning,
-    FamilyAdapter,
+    PackedLatentFamily,
     PromptCache,
     check_components,
     loading,
@@ -46,7 +46,7 @@ T5_MAX_LENGTH = 512  # FluxPipeline's max_sequence_length default, and the most 
 
 
 @register_family
-class FluxFamily(FamilyAdapter):
+class FluxFamily(PackedLatentFamily):
     name = "flux"
     name_patterns = ("flux.1", "flux1", "flux")
     pipeline_class_name = "FluxPipeline"
@@ -163,17 +163,6 @@ class FluxFamily(FamilyAdapter):
         return list(self.text_encoder[1].encoder.block)
 
     # --- geometry ------------------------------------------------------------------------------
-
-    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        """VAE latent (h, w); FluxPipeline floors to multiples of 16 px (8x VAE, 2x2 packing): refused here."""
-        f = self.vae_scale_factor * 2
-        if height % f or width % f:
-            raise ValueError(f"sample.height/width must be multiples of {f} for {self.name}, got {height}x{width}")
-        return 2 * (height // f), 2 * (width // f)
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        h, w = self.latent_grid(height, width)
-        return (h // 2) * (w // 2)
 
     def initial_noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
         """Packed float32 noise (B, N, 64), one generator per image, drawn as FluxPipeline.prepare_latents."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from imagerl.families.base import (Conditioning, FamilyAdapter, PromptCache, check_components, group_rows_by_length,
+from imagerl.families.base import (Conditioning, PackedLatentFamily, PromptCache, check_components, group_rows_by_length,
                                    loading, read_json, read_model_index)
 from imagerl.families.registry import register_family
 from imagerl.families.layers.vae_single_frame import single_frame_convs
@@ -65,7 +65,7 @@ def cfg_combine(cond_BNC: torch.Tensor, uncond_BNC: torch.Tensor, scale: float) 
 
 
 @register_family
-class QwenImageFamily(FamilyAdapter):
+class QwenImageFamily(PackedLatentFamily):
     name = "qwen_image"
     name_patterns = ("qwen-image", "qwen_image", "qwenimage")
     pipeline_class_name = "QwenImagePipeline"
@@ -120,17 +120,6 @@ class QwenImageFamily(FamilyAdapter):
         return cls(transformer, vae, text_encoder, tokenizer, scheduler_config, device, dtype, prompt_cache_size)
 
     # --- geometry ------------------------------------------------------------------------------
-
-    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        """VAE latent (h, w) for an image; diffusers floors to multiples of 16 px."""
-        f = self.vae_scale_factor * 2
-        if height % f or width % f:
-            raise ValueError(f"sample.height/width must be multiples of {f} for {self.name}, got {height}x{width}")
-        return 2 * (height // f), 2 * (width // f)
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        h, w = self.latent_grid(height, width)
-        return (h // 2) * (w // 2)
 
     def initial_noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
         """Packed float32 noise (B, N, C), one generator per image (independent of batching)."""
