@@ -26,7 +26,7 @@ def rollout_flops(cfg, family_name: str, transformer_config: dict) -> int:
     """FLOPs of one rollout (every step, x2 rows with CFG > 1) and its update (3 forwards per trained step)."""
     from imagerl.perf import flops
 
-    from imagerl.perf.bench import MODULE_FAMILIES, _family_module
+    from imagerl.perf.bench import MODULE_FAMILIES, family_module
 
     s = cfg.sample
     image_tokens = (s.height // 16) * (s.width // 16)  # every family: 16 px per token (8x VAE + 2x2 patch, 16x VAE)
@@ -36,7 +36,7 @@ def rollout_flops(cfg, family_name: str, transformer_config: dict) -> int:
         from diffusers.configuration_utils import FrozenDict
 
         transformer = SimpleNamespace(config=FrozenDict(transformer_config))
-        forward = _family_module(family_name).forward_flops(transformer, image_tokens, [TEXT_TOKENS], 0, ())
+        forward = family_module(family_name).forward_flops(transformer, image_tokens, [TEXT_TOKENS], 0, ())
     elif family_name == "qwen_image21":
         forward = flops.qwen_image21_forward_flops(flops.QwenImage21Dims.from_config(transformer_config),
                                                    image_tokens, TEXT_TOKENS)

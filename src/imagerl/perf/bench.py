@@ -62,7 +62,7 @@ DEFAULT_VARIANTS = {
 }
 
 
-def _family_module(family: str):
+def family_module(family: str):
     """perf/bench_<family>.py for the families in MODULE_FAMILIES, else None (Qwen-Image's parts are here)."""
     import importlib
 
@@ -71,13 +71,13 @@ def _family_module(family: str):
 
 def geometry(family: str, dry: bool) -> list[str]:
     """The bench geometry's overrides for the family (its module's settings after the shared ones)."""
-    module = _family_module(family)
+    module = family_module(family)
     own = module.GEOMETRY + (module.DRY_GEOMETRY if dry else []) if module else []
     return GEOMETRY + (DRY_GEOMETRY if dry else []) + own
 
 
 for _family in MODULE_FAMILIES:
-    DEFAULT_VARIANTS[_family] = _family_module(_family).DEFAULT_VARIANTS
+    DEFAULT_VARIANTS[_family] = family_module(_family).DEFAULT_VARIANTS
 # `--algorithm diffusion_nft`: the NFT recipe with and without timestep staging beside the family's Flow-GRPO recipe
 # (a variant's `recipe=NAME` picks its recipe; the bench geometry and reward apply to all)
 NFT_VARIANTS = {family: {"flow_grpo recipe": [f"recipe={RECIPES[family]}"],
@@ -114,7 +114,7 @@ def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: lis
     cached: a KV-cached qwen_image21 rollout step."""
     from imagerl.perf import flops
 
-    module = _family_module(family)
+    module = family_module(family)
     if module:
         return module.forward_flops(transformer, image_tokens, text_tokens, lora_rank, targets, cached=cached)
     if family == "qwen_image":
@@ -182,7 +182,7 @@ class Bench:
         self.warmup, self.iterations = warmup, iterations
         self.prompts = _prompts()
         save_pickscore_size_clip(workdir / "pickscore", device, dry=dry)
-        module = _family_module(family)
+        module = family_module(family)
         build = module.build if module else build_qwen_image if family == "qwen_image" else build_qwen_image21
         t0 = time.perf_counter()
         self.transformer, self.vae, self.text_encoder, self.tokenizer = build(
@@ -200,7 +200,7 @@ class Bench:
         """A family adapter around the shared modules (no LoRA yet)."""
         from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
 
-        module = _family_module(self.family)
+        module = family_module(self.family)
         if module:
             return module.new_adapter((self.transformer, self.vae, self.text_encoder, self.tokenizer), self.device)
         if self.family == "qwen_image":
@@ -317,7 +317,7 @@ class Bench:
 
         cfg = self.config([])
         s = cfg.sample
-        module = _family_module(self.family)
+        module = family_module(self.family)
         if gradient_checkpointing is None:  # flow_grpo checkpoints Qwen-Image's blocks, not SD3's (train_sd3.py)
             gradient_checkpointing = module.BASELINE_CHECKPOINTING if module else True
         torch.manual_seed(cfg.run.seed)  # the LoRA's gaussian init

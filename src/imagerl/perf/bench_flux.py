@@ -26,7 +26,6 @@ import torch
 from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
 from imagerl.perf.bench_sd3 import CLIP_L, CLIP_VOCAB, SD3_VAE, T5_XXL
 
-RECIPE, NFT_RECIPE = "flux_ocr", "flux_ocr"
 GEOMETRY = ["sample.guidance_scale=3.5", "sample.max_sequence_length=512", "sample.batch_size=4", "train.batch_size=4",
             "model.gradient_checkpointing=true", "model.checkpoint_every=1", "sample.sde_window_range=[0, 5]",
             "sample.sde_window_schedule=fixed", "sample.same_initial_noise=false", "sample.noise_level=0.7"]

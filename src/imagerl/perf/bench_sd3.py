@@ -23,7 +23,6 @@ import torch
 
 from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
 
-RECIPE, NFT_RECIPE = "sd3_5_ocr", "sd3_5_nft_ocr"
 GEOMETRY = ["sample.num_sde_steps=9", "sample.sde_window_range=[0, 9]", "sample.sde_window_start=0",
             "sample.noise_level=0.7", "sample.guidance_scale=4.5", "sample.negative_prompt=",
             "sample.max_sequence_length=128", "model.lora_rank=32", "model.lora_alpha=64", "train.beta=0.0",
