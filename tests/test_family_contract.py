@@ -138,6 +138,23 @@ def test_a_resumed_run_equals_the_uninterrupted_one(family, tmp_path):
     assert [keys(r) for r in _records(tmp_path / "straight")] == [keys(r) for r in _records(tmp_path / "resumed")]
 
 
+def test_each_prompt_is_encoded_once_per_text_length(family, monkeypatch):
+    """encode_prompts caches at the default text length and at a recipe's (sd3_5_ocr: T5 at 128): a prompt asked for
+    again is not encoded again and gets the same embedding."""
+    cls, path = family
+    adapter = cls.from_pretrained(path, torch.device("cpu"), torch.float32)
+    calls = []
+    encode = adapter._encode_uncached
+    monkeypatch.setattr(adapter, "_encode_uncached", lambda prompts, *args: calls.append(len(prompts)) or
+                        encode(prompts, *args))
+    for length in (512, 32):
+        first = adapter.encode_prompts(PROMPTS, length)
+        again = adapter.encode_prompts(PROMPTS[::-1], length)
+        assert all(torch.equal(a, b) for a, b in zip(first, again[::-1]))
+        assert all(torch.equal(a, b) for a, b in zip(first, adapter.encode_prompts(PROMPTS, length)))
+    assert sum(calls) <= 2 * len(PROMPTS)  # once per prompt and length (the Qwen families cache one full length)
+
+
 def test_the_text_encoder_fsdp_shards_is_a_module_with_its_layers(family):
     """parallel.text_encoder shards text_encoder_module() by text_encoder_layers() (distributed/fsdp.py):
     fully_shard needs a module with a forward (not the ModuleList that holds sd3's or flux's encoders), and the

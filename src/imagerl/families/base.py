@@ -333,11 +333,19 @@ class FamilyAdapter:
         finally:
             self.restore_offloaded()
 
-    def encode_missing(self, prompts: list[str]) -> list[torch.Tensor]:
-        """The family's _encode_uncached with the text encoder on the device: what the prompt cache calls for the
-        prompts it lacks."""
+    def encode_missing(self, prompts: list[str], *args) -> list[torch.Tensor]:
+        """The family's _encode_uncached (with `args`) with the text encoder on the device: what the prompt cache
+        calls for the prompts it lacks."""
         with self.text_encoder_on_device():
-            return self._encode_uncached(prompts)
+            return self._encode_uncached(prompts, *args)
+
+    def encode_padded(self, prompts: list[str], length: int) -> list[torch.Tensor]:
+        """encode_prompts for families whose text is padded to a fixed length (sd3's and flux's T5): one prompt cache
+        per length a run asks for (the recipe's, evaluation's), each prompt encoded once per length."""
+        caches = self.__dict__.setdefault("_prompt_caches_by_length", {})
+        if length not in caches:
+            caches[length] = PromptCache(self.prompt_cache.max_size)
+        return caches[length].get_many(prompts, lambda missing: self.encode_missing(missing, length))
 
     @classmethod
     def cfg_rows(cls, guidance_scale: float | None) -> int:

@@ -91,7 +91,6 @@ class FluxFamily(PackedLatentFamily):
                              f"{self.text_width}: the pooled row cannot ride with the T5 rows")
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.prompt_cache = PromptCache(prompt_cache_size)
-        self._prompt_caches = {T5_MAX_LENGTH: self.prompt_cache}  # one cache per T5 length
         if self.device.type == "cuda":
             # cuDNN attention's backward at FLUX.1-dev's shapes (24 heads x 128, 1024 image + 512 text tokens) gave
             # NaN LoRA gradients, then an illegal memory access, on an H100 with torch 2.11, eager and compiled alike
@@ -194,13 +193,7 @@ class FluxFamily(PackedLatentFamily):
         if not 1 <= max_sequence_length <= T5_MAX_LENGTH:  # FluxPipeline.check_inputs refuses more than 512
             raise ValueError(f"sample.max_sequence_length must be in [1, {T5_MAX_LENGTH}] for {self.name} "
                              f"(FluxPipeline's limit), got {max_sequence_length}")
-        cache = self._prompt_caches.setdefault(max_sequence_length, PromptCache(self.prompt_cache.max_size))
-
-        def encode(missing):
-            with self.text_encoder_on_device():
-                return self._encode_uncached(missing, max_sequence_length)
-
-        return cache.get_many(prompts, encode)
+        return self.encode_padded(prompts, max_sequence_length)
 
     def text_token_count(self, embeds_LD: torch.Tensor) -> int:
         return embeds_LD.shape[0] - 1  # the last row holds the pooled vector (pooled_projections, not a token)

@@ -151,10 +151,7 @@ class SD3Family(FamilyAdapter):
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int = T5_MAX_LENGTH) -> list[torch.Tensor]:
         """One (77 + T5 length + 1, D) tensor per prompt: the sequence rows, then the pooled row (module docstring)."""
-        length = min(max_sequence_length, T5_MAX_LENGTH)
-        if length != T5_MAX_LENGTH:  # the cache holds one length: encode directly at another
-            return self._encode_uncached(prompts, length)
-        return self.prompt_cache.get_many(prompts, self.encode_missing)
+        return self.encode_padded(prompts, min(max_sequence_length, T5_MAX_LENGTH))
 
     def text_encoder_module(self) -> torch.nn.Module:
         """T5 (T5-XXL: 4.76 B of SD3.5's 5.6 B text-encoder parameters), what parallel.text_encoder shards under
