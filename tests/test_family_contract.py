@@ -8,7 +8,8 @@ the hub's diffusers layout (Family.build_tiny_checkpoint). docs/adding_a_family.
 5. the LoRA export loads with the pipeline's load_lora_weights and samples the images imagerl samples;
 6. a resumed run equals the uninterrupted one bit for bit;
 7. regional compile (torch.compile of each block) runs on a CPU and keeps the replay exact;
-8. 2 gloo ranks give what 1 process gives.
+8. 2 gloo ranks give what 1 process gives;
+9. sample.off_window_fp8 runs every one of its token_linears as an FP8 GEMM (merged LoRA targets and frozen layers).
 """
 
 import json
@@ -189,3 +190,48 @@ def test_two_gloo_ranks_give_what_one_process_gives(family, tmp_path):
     one, two = _records(tmp_path / "one")[0], _records(tmp_path / "two")[0]
     assert two["train/log_prob_mean_abs_diff"] == 0.0
     assert two["rollout/reward/raw_mean"] == pytest.approx(one["rollout/reward/raw_mean"], rel=1e-5)
+
+
+def test_off_window_fp8_runs_every_token_linear_of_the_blocks_in_fp8(family, tmp_path):
+    """sample.off_window_fp8 (families/layers/merged_lora.py): each of the family's token_linears names a Linear of
+    its blocks (a misspelt one would stay bf16 unnoticed); in the merged off-window forward every one of them runs
+    FP8, merged where it is a LoRA target (to_q here) and frozen otherwise; the velocity moves by FP8 rounding
+    only, and afterwards the module tree and the unmerged velocity are as before."""
+    from peft.tuners.lora import LoraLayer
+
+    from imagerl.components import load_adapter, resolve_family_defaults
+    from imagerl.distributed.parallel import World
+    from imagerl.families.layers.fp8_linear import Fp8Linear
+    from imagerl.families.layers.merged_lora import MergedLora
+    from imagerl.rollout import batch_conditioning
+
+    cls, path = family
+    cfg = tiny_config(path, tmp_path, "model.lora_target_modules=[to_q]")
+    adapter = load_adapter(cfg, World(0, 1, torch.device("cpu")))
+    resolve_family_defaults(cfg, adapter)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained-looking LoRA (B != 0)
+        for name, p in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    suffixes = tuple("." + name for name in cls.token_linears)
+    token = {n: m for n, m in adapter.transformer.named_modules() if n.endswith(suffixes)}
+    assert {s for s in suffixes if any(n.endswith(s) for n in token)} == set(suffixes)
+    assert any(isinstance(m, LoraLayer) for m in token.values()) and any(type(m) is torch.nn.Linear for m in token.values())
+
+    guidance = cls.default_guidance_scale
+    negative = adapter.encode_negative(" ", guidance, 512)
+    cond = batch_conditioning(adapter, adapter.encode_prompts(PROMPTS), negative, guidance)
+    x = adapter.initial_noise([torch.Generator().manual_seed(i) for i in range(len(PROMPTS))], H, W)
+    t = torch.full((len(PROMPTS),), 600.0)
+    modules = dict(adapter.transformer.named_modules())
+    with torch.no_grad():
+        exact = adapter.velocity(x, t, cond, H, W)
+        with MergedLora(adapter.transformer, fp8=True, token_linears=cls.token_linears).applied():
+            running = {n: m for n, m in adapter.transformer.named_modules() if n.endswith(suffixes)}
+            assert all(isinstance(m.base_layer if isinstance(m, LoraLayer) else m, Fp8Linear) for m in running.values())
+            fp8 = adapter.velocity(x, t, cond, H, W)
+        error = ((fp8 - exact).norm() / exact.norm()).item()
+        assert 0 < error < 0.1, error  # e4m3 rounding of weights and activations: a few percent
+        assert dict(adapter.transformer.named_modules()) == modules
+        assert torch.equal(adapter.velocity(x, t, cond, H, W), exact)

@@ -204,3 +204,22 @@ def test_a_group_too_large_for_this_machine_is_refused_before_it_allocates(quick
 def test_the_quickstart_fits(quickstart):
     adapter, world = quickstart
     check_memory(load_config("quickstart", ["model.device=cpu"]), adapter, world)
+
+
+def test_flux_dims_count_the_frozen_token_linears_that_off_window_fp8_copies():
+    """FLUX.1-dev (19 double-, 38 single-stream blocks, hidden 3072, MLP 12288) with DanceGRPO's attention-only LoRA
+    (flux_ocr): the merged targets are the image stream's q/k/v/out and the single blocks' q/k/v; sample.off_window_fp8
+    also copies the text stream's projections, both MLPs and the single blocks' proj_mlp / proj_out in e4m3."""
+    from diffusers import FluxTransformer2DModel
+
+    from imagerl.families.flux import FluxFamily
+    from imagerl.perf.bench_flux import FLUX_DEV
+
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**FLUX_DEV)
+    dims = ModelDims.from_modules(transformer, None, None, 128, ("to_k", "to_q", "to_v", "to_out.0"), 1024,
+                                  true_cfg=False, token_linears=FluxFamily.token_linears)
+    d, mlp = 3072, 12288
+    assert dims.merge_target_params == 19 * 4 * d * d + 38 * 3 * d * d
+    assert dims.frozen_token_params == 19 * (4 * d * d + 2 * 2 * d * mlp) + 38 * (d * mlp + (d + mlp) * d)
+    assert dims.blocks == 57 and not dims.true_cfg

@@ -179,7 +179,7 @@ def _bench(args) -> int:
     run_bench(args.family, variants, baseline=not args.no_baseline, warmup=args.warmup, iterations=args.iterations,
               dry=args.dry_run, out=Path(args.out) if args.out else None,
               profiles=[[o.strip() for o in spec.split(",") if o.strip()] for spec in args.profile],
-              algorithm=args.algorithm)
+              algorithm=args.algorithm, baseline_batch_sizes=args.baseline_batch_size)
     return 0
 
 
@@ -310,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "recipe with and without train.timestep_staging beside the family's Flow-GRPO recipe; a variant's "
                    "'recipe=NAME' override picks its recipe)")
     p.add_argument("--no-baseline", action="store_true", help="skip the diffusers + peft baseline")
+    p.add_argument("--baseline-batch-size", type=int, action="append", default=[], help="samples per baseline "
+                   "forward (sampling and training; repeatable: a baseline row each, the first one the reference); "
+                   "default: the upstream trainer's")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per variant (default 2: compiled "
                    "variants compile on their first two prompt lengths)")
     p.add_argument("--iterations", type=int, default=2, help="measured iterations per variant (default 2)")

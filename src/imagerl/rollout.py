@@ -161,7 +161,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     # train.timestep_staging: the trajectory waits on the CPU; the update copies each step's inputs back
     staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
     # sample.merge_lora: the steps outside the window run on merged weights (families/layers/merged_lora.py)
-    off_window = MergedLora(adapter.transformer, s.off_window_fp8).applied if s.merge_lora else contextlib.nullcontext
+    off_window = (MergedLora(adapter.transformer, s.off_window_fp8, adapter.token_linears).applied if s.merge_lora
+                  else contextlib.nullcontext)
     # sample.post_window_steps: the steps after the window may visit fewer of the schedule's points (MixGRPO-Flash)
     grid = step_grid(s.num_steps, window, s.post_window_steps)
     grid_sigmas, grid_timesteps = sigmas[grid], timesteps[grid[:-1]]
@@ -256,7 +257,8 @@ def generate_clean(adapter, groups: PromptGroups, cfg: Config, rollout_step: int
     s = cfg.sample
     plan = _plan(adapter, groups, cfg, rollout_step, initial_noise_BNC)
     staged = (lambda t: t.cpu()) if cfg.train.timestep_staging else (lambda t: t)
-    merged = MergedLora(adapter.transformer, s.off_window_fp8).applied if s.merge_lora else contextlib.nullcontext
+    merged = (MergedLora(adapter.transformer, s.off_window_fp8, adapter.token_linears).applied if s.merge_lora
+              else contextlib.nullcontext)
     x0s, images = [], []
     for start in range(0, len(plan.prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)

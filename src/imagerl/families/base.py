@@ -147,6 +147,10 @@ class FamilyAdapter:
     # model.text_length_multiple (qwen_image): padded text length rounded up to a multiple of this (masked keys)
     text_length_multiple: int = 1
     lora_target_modules: tuple[str, ...] = ()
+    # the blocks' Linear layers applied to every token (module-name suffixes; not the per-sample modulation ones):
+    # sample.off_window_fp8 runs each of them as an FP8 GEMM in the off-window steps, merged with the LoRA where it
+    # is a target (families/layers/merged_lora.py)
+    token_linears: tuple[str, ...] = ()
     pipeline_class_name: str = ""
     # model.path=<tiny_name> builds build_tiny_checkpoint() once into the cache as <tiny_cache_name>
     tiny_name: str = ""

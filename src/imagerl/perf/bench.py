@@ -304,9 +304,11 @@ class Bench:
         finally:
             self.restore(adapter)
 
-    def run_baseline(self, ceiling: float, gradient_checkpointing: bool | None = None) -> Row:
+    def run_baseline(self, ceiling: float, gradient_checkpointing: bool | None = None,
+                     batch_size: int | None = None) -> Row:
         """The family's plain Flow-GRPO loop on diffusers + peft (qwen_image: perf/baseline.py, true CFG 4;
-        qwen_image21: perf/baseline21.py, no CFG), same geometry and reward."""
+        qwen_image21: perf/baseline21.py, no CFG), same geometry and reward; batch_size (samples per forward,
+        sampling and training) instead of the upstream trainer's."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
@@ -334,14 +336,14 @@ class Bench:
         if module:
             baseline, flops_overrides = module.new_baseline(
                 (self.transformer, self.vae, self.text_encoder, self.tokenizer), reward_fn, cfg, self.device,
-                gradient_checkpointing)
+                gradient_checkpointing, batch_size or module.BASELINE_BATCH_SIZE)
         elif self.family == "qwen_image":
             from diffusers import QwenImagePipeline
 
             from imagerl.perf.baseline import BaselineSettings, FlowGRPOBaseline
 
             pipe = QwenImagePipeline(tokenizer=self.tokenizer, **modules)
-            settings = BaselineSettings(guidance_scale=4.0, batch_size=BASELINE_BATCH_SIZE, **common)
+            settings = BaselineSettings(guidance_scale=4.0, batch_size=batch_size or BASELINE_BATCH_SIZE, **common)
             baseline = FlowGRPOBaseline(pipe, reward_fn, settings, self.device)
         else:
             from diffusers import QwenImage21Pipeline
@@ -351,8 +353,8 @@ class Bench:
             # the bench's "tokenizer" for 2.1 is a Qwen3VLProcessor (qwen_image21/tiny.py, build_tiny_processor), what
             # QwenImage21Pipeline takes as `processor`; sample_sigmas None: the linspace grid, as the imagerl rows
             pipe = QwenImage21Pipeline(processor=self.tokenizer, **modules)
-            settings = BaselineSettings21(batch_size=BASELINE21_BATCH_SIZE,
-                                          train_batch_size=BASELINE21_TRAIN_BATCH_SIZE, **common)
+            settings = BaselineSettings21(batch_size=batch_size or BASELINE21_BATCH_SIZE,
+                                          train_batch_size=batch_size or BASELINE21_TRAIN_BATCH_SIZE, **common)
             baseline = FlowGRPOBaseline21(pipe, reward_fn, settings, self.device)
 
         times, text_tokens = [], []
@@ -379,7 +381,8 @@ class Bench:
         else:  # no CFG: the cond row only
             rows = [[length] for length in text_tokens]
         flops = self._mean_flops(self.config(flops_overrides), adapter, rows)
-        return make_row("baseline (diffusers+peft)", [], times, *flops, ceiling, s.group_size,
+        name = "baseline (diffusers+peft)" + (f", batch {batch_size}" if batch_size else "")
+        return make_row(name, [], times, *flops, ceiling, s.group_size,
                         s.group_size * s.num_sde_steps, text_tokens[0])
 
     def vae_bf16_effect(self, num_images: int = 16) -> dict:
@@ -427,9 +430,11 @@ class Bench:
 def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None = None, *, baseline: bool = True,
               warmup: int = 2, iterations: int = 2, dry: bool = False, out: Path | None = None,
               profiles: list[list[str]] = (), echo=print, algorithm: str = "flow_grpo",
-              blocks: int | None = None) -> list[Row]:
+              blocks: int | None = None, baseline_batch_sizes: list[int] = ()) -> list[Row]:
     """Profile one step of each config in `profiles` (lists of overrides), then run the family's baseline and each
-    variant (name -> overrides); print and return the rows. blocks: a model of that many released-size blocks."""
+    variant (name -> overrides); print and return the rows. blocks: a model of that many released-size blocks.
+    baseline_batch_sizes: a baseline row per batch size instead of the upstream trainer's (the first is the one
+    the ratios divide by)."""
     from imagerl.perf.flops import measure_matmul_flops_per_s
     from imagerl.perf.profile import profile_step
 
@@ -467,11 +472,12 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
             if out is not None:
                 out.mkdir(parents=True, exist_ok=True)
                 (out / f"profile_{family}.txt").write_text("\n\n".join(profile_text) + "\n")
-        if baseline:
-            base = bench.run_baseline(ceiling)
-            rows.append(base)
+        for batch_size in (list(baseline_batch_sizes) or [None]) if baseline else []:
+            rows.append(bench.run_baseline(ceiling, batch_size=batch_size))
+            base = base or rows[-1]
             echo(format_table(rows[-1:], base))
             save()
+            bench.free_memory()
         for name, overrides in variants.items():
             try:
                 rows.append(bench.run_imagerl(name, overrides, ceiling))

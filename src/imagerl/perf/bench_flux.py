@@ -12,9 +12,11 @@ of each kind and the text towers to that many narrow layers.
 Geometry: the shared bench's (one prompt x 16 images at 512 px, 10 steps, SDE window {3, 4} at a fixed start, LoRA
 r64/a128) with FLUX.1-dev's distilled guidance 3.5 as an input (one row per sample, no negative prompt), T5 at 512
 tokens, noise level 0.7 (MixGRPO's eta), the LoRA on the flux_ocr recipe's targets (DanceGRPO's). Both sides
-recompute every block in the backward (DanceGRPO trains FLUX with --gradient_checkpointing), batch 4 (DanceGRPO
-samples one image per forward: a batch-4 baseline is the stronger comparison). Every block attends without cuDNN
-attention on both sides (its backward faulted at these shapes; benchmarks/RESULTS.md runs AS-AU).
+recompute every block in the backward (DanceGRPO trains FLUX with --gradient_checkpointing). The baseline samples
+and trains one image per forward as DanceGRPO does (train_grpo_flux_lora.py: sample_reference_model's batch_size = 1,
+grpo_one_step on one sample and one timestep per backward); `--baseline-batch-size 4` adds the stronger, batched
+comparison. Every block attends without cuDNN attention on both sides (its backward faulted at these shapes;
+benchmarks/RESULTS.md runs AS-AU).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ GEOMETRY = ["sample.guidance_scale=3.5", "sample.max_sequence_length=512", "samp
             "sample.sde_window_schedule=fixed", "sample.same_initial_noise=false", "sample.noise_level=0.7"]
 DRY_GEOMETRY = ["sample.batch_size=2", "train.batch_size=0", "model.lora_rank=4", "model.lora_alpha=8",
                 "sample.max_sequence_length=64"]
-BASELINE_BATCH_SIZE = 4
+BASELINE_BATCH_SIZE = 1  # DanceGRPO train_grpo_flux_lora.py: one image per sampling and per training forward
 BASELINE_CHECKPOINTING = True  # DanceGRPO's finetune_flux_grpo.sh: --gradient_checkpointing
 DEFAULT_VARIANTS = {"imagerl (compile, batch 4, checkpointing)": [],
                     "imagerl, rollout 16 merged off the window": ["sample.batch_size=16", "sample.merge_lora=true"]}
@@ -158,7 +160,8 @@ class FlowGRPOBaselineFlux(FlowGRPOBaseline):
         return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
 
-def new_baseline(modules, reward_fn, cfg, device, gradient_checkpointing: bool):
+def new_baseline(modules, reward_fn, cfg, device, gradient_checkpointing: bool,
+                 batch_size: int = BASELINE_BATCH_SIZE):
     """The baseline on the shared modules at cfg's geometry; (baseline, the config overrides that count its FLOPs)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
@@ -169,7 +172,7 @@ def new_baseline(modules, reward_fn, cfg, device, gradient_checkpointing: bool):
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG), vae=vae,
                         text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
                         tokenizer_2=tokenizers[1], transformer=transformer)
-    settings = BaselineSettings.from_config(cfg, BASELINE_BATCH_SIZE, gradient_checkpointing)
+    settings = BaselineSettings.from_config(cfg, batch_size, gradient_checkpointing)
     flops_overrides = [f"model.gradient_checkpointing={gradient_checkpointing}", "model.checkpoint_every=1",
                        "model.checkpoint_blocks=0", "sample.merge_lora=false"]
     targets = cfg.model.lora_target_modules or FluxFamily.lora_target_modules

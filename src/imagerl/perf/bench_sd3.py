@@ -167,7 +167,8 @@ class FlowGRPOBaselineSD3(FlowGRPOBaseline):
         return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
 
-def new_baseline(modules, reward_fn, cfg, device, gradient_checkpointing: bool):
+def new_baseline(modules, reward_fn, cfg, device, gradient_checkpointing: bool,
+                 batch_size: int = BASELINE_BATCH_SIZE):
     """The baseline on the shared modules at cfg's geometry; (baseline, the config overrides that count its FLOPs)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
@@ -178,7 +179,7 @@ def new_baseline(modules, reward_fn, cfg, device, gradient_checkpointing: bool):
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER_CONFIG), vae=vae,
         text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1], tokenizer_2=tokenizers[1],
         text_encoder_3=encoders[2], tokenizer_3=tokenizers[2])
-    settings = BaselineSettings.from_config(cfg, BASELINE_BATCH_SIZE, gradient_checkpointing)
+    settings = BaselineSettings.from_config(cfg, batch_size, gradient_checkpointing)
     flops_overrides = [f"model.gradient_checkpointing={gradient_checkpointing}", "model.checkpoint_every=1",
                        "sample.merge_lora=false"]
     return FlowGRPOBaselineSD3(pipe, reward_fn, settings, device), flops_overrides

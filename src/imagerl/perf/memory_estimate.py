@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 GIB = 2**30
 TRAIN_BLOCK_BYTES = 37.0
@@ -77,18 +77,21 @@ class ModelDims:
     text_hidden: int  # the prompt embeddings' width
     text_bytes_per_value: int = 2
     true_cfg: bool = True  # the family's true_cfg: guidance_scale > 1 doubles the rows (False: FLUX.1's guidance input)
+    # the family's token_linears that are not LoRA targets: sample.off_window_fp8 copies them in e4m3 too
+    frozen_token_params: int = 0
 
     @classmethod
     def of(cls, adapter, height: int, width: int) -> "ModelDims":
         """A loaded family adapter with its LoRA (components.load_adapter): the LoRA as added."""
         rank = next((getattr(m, "r", {}).get("default") for m in adapter.transformer.modules()
                      if isinstance(getattr(m, "r", None), dict)), 0) or 0
-        return replace(cls.from_modules(adapter.transformer, adapter.text_encoder, adapter.vae, rank,
-                                        adapter.lora_target_modules, adapter.image_seq_len(height, width)),
-                       true_cfg=adapter.true_cfg)
+        return cls.from_modules(adapter.transformer, adapter.text_encoder, adapter.vae, rank,
+                                adapter.lora_target_modules, adapter.image_seq_len(height, width),
+                                true_cfg=adapter.true_cfg, token_linears=adapter.token_linears)
 
     @classmethod
-    def from_modules(cls, transformer, text_encoder, vae, lora_rank: int, lora_targets, image_tokens: int) -> "ModelDims":
+    def from_modules(cls, transformer, text_encoder, vae, lora_rank: int, lora_targets, image_tokens: int,
+                     true_cfg: bool = True, token_linears=()) -> "ModelDims":
         """From the modules (any device, meta too): a transformer with a PEFT LoRA counts the LoRA it has, one
         without counts rank x (in + out) for each nn.Linear named by lora_targets (PEFT's suffix match)."""
         import torch
@@ -107,6 +110,9 @@ class ModelDims:
             targets = [m for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)
                        and any(n == t or n.endswith("." + t) for t in lora_targets)]
             lora = sum(lora_rank * (m.in_features + m.out_features) for m in targets)
+        target_ids = {id(m) for m in targets}
+        frozen_token = [m for n, m in transformer.named_modules() if type(m) is torch.nn.Linear  # (merged_lora.py)
+                        and n.endswith(tuple("." + t for t in token_linears)) and id(m) not in target_ids]
         config = transformer.config
         hidden = getattr(transformer, "inner_dim", None) or config.num_attention_heads * config.attention_head_dim
         text_config = getattr(text_encoder, "config", None)
@@ -118,7 +124,8 @@ class ModelDims:
                    hidden=hidden, image_tokens=image_tokens,
                    latent_values=image_tokens * config.in_channels,
                    # sd3 / flux hold several encoders (no config): their embeddings are the transformer's width
-                   text_hidden=getattr(text_config, "hidden_size", 0) or getattr(config, "joint_attention_dim", 0) or 0)
+                   text_hidden=getattr(text_config, "hidden_size", 0) or getattr(config, "joint_attention_dim", 0) or 0,
+                   true_cfg=true_cfg, frozen_token_params=sum(m.weight.numel() for m in frozen_token))
 
 
 @dataclass(frozen=True)
@@ -181,7 +188,8 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
 
     merged = 0
     if s.merge_lora:
-        merged = dims.merge_target_params * (1 if s.off_window_fp8 else 2)
+        # bf16 merged copies, or e4m3 ones of the targets and the frozen token linears (merged_lora.py)
+        merged = (dims.merge_target_params + dims.frozen_token_params) if s.off_window_fp8 else 2 * dims.merge_target_params
     decode_per_pixel = DECODE_BYTES_PER_PIXEL / (2 if cfg.model.vae_dtype == "bfloat16" else 1)
     rollout = (static + on_device + merged + s.batch_size * cfg_rows * tokens * dims.hidden * INFERENCE_BYTES
                + min(s.decode_batch_size or micro, s.batch_size) * s.height * s.width * decode_per_pixel)

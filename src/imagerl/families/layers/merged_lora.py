@@ -10,7 +10,10 @@ The window steps and the training forwards keep the unmerged weights, so the rep
 The merged copies live as long as the MergedLora object (qwen_image, r64 on the 12 targets: 13.6 B weights,
 27 GB in bf16, 13.6 GB in FP8); the caller drops it after the rollout, before training allocates its activations.
 With fp8=True (sample.off_window_fp8) each merged weight is quantized to e4m3 and its layer runs an FP8 GEMM
-(families/layers/fp8_linear.py): not the same function up to rounding any more, but still never replayed.
+(families/layers/fp8_linear.py): not the same function up to rounding any more, but still never replayed. So do
+the frozen Linear layers named in token_linears (the family's per-token GEMMs that are not LoRA targets: FLUX.1's
+single-stream MLPs under DanceGRPO's attention-only LoRA are 2/3 of its FLOPs); their e4m3 copies are rebuilt with
+the merged ones, so no copy outlives the rollout.
 """
 
 from __future__ import annotations
@@ -36,10 +39,25 @@ def _merged(module, names: list[str], weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _frozen_fp8_swaps(transformer: torch.nn.Module, token_linears: tuple[str, ...]) -> list:
+    """(parent, name, layer, Fp8Linear of its weight) for each plain nn.Linear whose name ends with one of
+    token_linears after a '.' (inside a block: the top-level proj_out is not one) and whose dims the FP8 GEMM takes.
+    A LoRA target is a peft layer, not an nn.Linear (MergedLora merges it), and its base_layer / lora_A / lora_B
+    names end otherwise."""
+    suffixes = tuple("." + name for name in token_linears)
+    swaps = []
+    with torch.no_grad():
+        for full, layer in transformer.named_modules():
+            if type(layer) is torch.nn.Linear and full.endswith(suffixes) and fp8_alignable(layer.weight):
+                parent, name = full.rsplit(".", 1)
+                swaps.append((transformer.get_submodule(parent), name, layer, Fp8Linear(layer.weight, layer.bias)))
+    return swaps
+
+
 class MergedLora:
     """Built from the current LoRA weights; `applied()` swaps the merged weights in for a block of code."""
 
-    def __init__(self, transformer: torch.nn.Module, fp8: bool = False):
+    def __init__(self, transformer: torch.nn.Module, fp8: bool = False, token_linears: tuple[str, ...] = ()):
         from peft.tuners.lora import LoraLayer
         from torch.distributed.tensor import DTensor
 
@@ -47,8 +65,11 @@ class MergedLora:
         self.swaps: list[tuple[torch.nn.Module, torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []
         # (peft layer, its base nn.Linear, the Fp8Linear that stands in for it) under fp8
         self.fp8_swaps: list[tuple[torch.nn.Module, torch.nn.Module, Fp8Linear]] = []
+        # (parent module, attribute name, frozen nn.Linear, its Fp8Linear) under fp8 for token_linears
+        self.frozen_fp8_swaps: list[tuple[torch.nn.Module, str, torch.nn.Module, Fp8Linear]] = []
         if fp8:
             check_fp8_device(next(transformer.parameters()).device)
+            self.frozen_fp8_swaps = _frozen_fp8_swaps(transformer, token_linears)
         with torch.no_grad():
             for module in transformer.modules():
                 if not isinstance(module, LoraLayer):
@@ -76,6 +97,8 @@ class MergedLora:
             base._parameters["weight"] = merged
         for module, _, fp8 in self.fp8_swaps:
             module._modules["base_layer"] = fp8  # what peft's forward calls with the adapters off
+        for parent, name, _, fp8 in self.frozen_fp8_swaps:
+            parent._modules[name] = fp8
         for module in layers:
             module._disable_adapters = True  # the flag peft's forward reads; no requires_grad changes (cheap)
         try:
@@ -86,5 +109,7 @@ class MergedLora:
                 base._parameters["weight"] = original
             for module, base, _ in self.fp8_swaps:
                 module._modules["base_layer"] = base
+            for parent, name, linear, _ in self.frozen_fp8_swaps:
+                parent._modules[name] = linear
             for module, was in zip(layers, disabled):
                 module._disable_adapters = was

@@ -82,6 +82,7 @@ class QwenImageFamily(PackedLatentFamily):
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
+    token_linears = lora_target_modules  # all of them (img_mod / txt_mod take one row per sample)
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, device: torch.device,
                  dtype: torch.dtype, prompt_cache_size: int = 4096):

@@ -120,6 +120,7 @@ class QwenImage21Family(FamilyAdapter):
     default_num_steps = 40  # QwenImage21Pipeline's num_inference_steps default
     supports_kv_cache = True
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.out", "img_mlp.gate_layer")
+    token_linears = lora_target_modules  # all of them (the blocks have no per-block modulation Linear)
 
     def __init__(self, transformer, vae, text_encoder, processor, scheduler_config: dict, device: torch.device,
                  dtype: torch.dtype, prompt_cache_size: int = 4096, raw_sigmas: list[float] | None = None):

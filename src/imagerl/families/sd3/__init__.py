@@ -42,10 +42,14 @@ class SD3Family(FamilyAdapter):
     # flow_grpo's SD3 LoRA targets (scripts/train_sd3.py: the attention projections of both streams)
     lora_target_modules = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                            "attn.to_out.0", "attn.to_q", "attn.to_v")
+    # and SD3.5's second image attention (dual_attention_layers: attn2) and both streams' MLPs; norm1(_context).linear
+    # take one row per sample
+    token_linears = lora_target_modules + ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ff.net.0.proj",
+                                           "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
     default_guidance_scale = 4.5  # flow_grpo config/base.py sample.guidance_scale (its SD3.5 runs)
     default_num_steps = 28  # StableDiffusion3Pipeline's num_inference_steps default
     default_resolution = 1024  # stable-diffusion-3.5-medium: transformer sample_size 128 x VAE factor 8
-    tiny_name, tiny_cache_name = "tiny_sd3", "tiny-sd3-v1"
+    tiny_name, tiny_cache_name = "tiny_sd3", "tiny-sd3-v2"
 
     @classmethod
     def build_tiny_checkpoint(cls, directory, seed: int = 0):

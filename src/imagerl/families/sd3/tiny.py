@@ -82,7 +82,7 @@ def build(directory: str | Path, seed: int = 0) -> Path:
     transformer = SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
         joint_attention_dim=TEXT_WIDTH, caption_projection_dim=16, pooled_projection_dim=32, out_channels=4,
-        pos_embed_max_size=16)
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")  # as SD3.5-Medium: attn2, RMS q/k norm
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
         up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16], layers_per_block=1, latent_channels=4,
