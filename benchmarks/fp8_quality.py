@@ -66,8 +66,9 @@ def main() -> None:
 
     results = {}
     for mode, fp8 in (("merged", False), ("fp8", True)):
-        merged = MergedLora(adapter.transformer, fp8=fp8)
-        with merged.applied() if merged.swaps or merged.fp8_swaps else contextlib.nullcontext():
+        merged = MergedLora(adapter.transformer, fp8=fp8, token_linears=adapter.token_linears)
+        swapped = merged.swaps or merged.fp8_swaps or merged.frozen_fp8_swaps
+        with merged.applied() if swapped else contextlib.nullcontext():
             results[mode] = run_evaluation(adapter, scorer, test_set, cfg, world, progress=False)
         del merged
     a, b = results["merged"], results["fp8"]

@@ -109,7 +109,7 @@ def _instrument(train_marks: Marks, rollout_marks: Marks, builds: list) -> None:
                                                           QwenImageFamily.encode_prompts)
 
     class TimedMergedLora(MergedLora):
-        def __init__(self, transformer, fp8=False):
+        def __init__(self, transformer, fp8=False, token_linears=()):
             if not builds:  # once, in the warm-up: the previous formula over the same layers, timed alone
                 from peft.tuners.lora import LoraLayer
 
@@ -124,7 +124,7 @@ def _instrument(train_marks: Marks, rollout_marks: Marks, builds: list) -> None:
                 _synchronize()
                 builds.append(("previous formula", start.elapsed_time(end)))
             rollout_marks.mark("merge build:start")
-            super().__init__(transformer, fp8)
+            super().__init__(transformer, fp8, token_linears)
             rollout_marks.mark("merge build:end")
 
         @contextlib.contextmanager
