@@ -154,3 +154,19 @@ def test_diffusion_nft_trains_with_its_rollout_in_fp8(tiny_checkpoint, tmp_path)
                       "sample.merge_lora=true", "sample.off_window_fp8=true", "train.num_rollouts=2"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["train/loss"])) for r in records)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_under_autocast_the_output_has_the_dtype_nn_linear_gives(compiled):
+    """Under bf16 autocast an nn.Linear returns bf16 for an fp32 input (the families' norms hand fp32 activations to
+    the projections); Fp8Linear returns the same dtype, eager and compiled, and x's dtype outside autocast."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 48)
+    layer = Fp8Linear(linear.weight.detach(), linear.bias.detach())
+    run = torch.compile(layer) if compiled else layer
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert linear(x).dtype == run(x).dtype == torch.bfloat16
+        assert run(x).dtype == torch.float32
+        assert run(x.bfloat16()).dtype == torch.bfloat16

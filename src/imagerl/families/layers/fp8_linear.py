@@ -73,11 +73,16 @@ class Fp8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         values, scale = quantize_rows(rows)
+        # the output dtype nn.Linear would give: under autocast its dtype (bf16), whatever x's is. The families'
+        # norms hand fp32 activations to the projections under bf16 autocast; an fp32 output here would carry the
+        # rest of the block (MLP activations, q/k norms, residual adds) in fp32, off the bf16 function's dtypes
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         # bf16 out: the one output dtype cuBLASLt offers with row-wise scales (torch 2.5+); fp32 models cast back
         y = torch._scaled_mm(values, self.weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale,
-                             out_dtype=torch.bfloat16).to(x.dtype)
+                             out_dtype=torch.bfloat16).to(out_dtype)
         if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
+            y = y + self.bias.to(out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
