@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--compiled-only", action="store_true", help="skip the eager modes and the targets-only FP8")
     a = p.parse_args()
     dry = a.dry_run
     device = torch.device("cpu" if dry or not torch.cuda.is_available() else "cuda")
@@ -76,7 +77,7 @@ def main() -> None:
                       flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench("flux", device, dry, Path(tmp), 0, 1)
-        for compiled in (False, True):
+        for compiled in (True,) if a.compiled_only else (False, True):
             size = [] if dry else [f"sample.batch_size={a.batch}"]  # the dry geometry's own batch
             cfg = bench.config([f"parallel.compile={str(compiled).lower()}", *size])
             adapter = prepare_adapter(bench.new_adapter(), cfg)
@@ -95,6 +96,8 @@ def main() -> None:
             t = torch.full((n,), 700.0, device=device)
             modes = {"unmerged": None, "merged bf16": dict(fp8=False), "merged FP8 (LoRA targets)": dict(fp8=True),
                      "merged FP8 (every token linear)": dict(fp8=True, token_linears=adapter.token_linears)}
+            if a.compiled_only:
+                modes.pop("merged FP8 (LoRA targets)")
             for mode, kwargs in modes.items():
                 for build in (1, 2):
                     if kwargs is None and build == 2:
