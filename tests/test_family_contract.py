@@ -156,6 +156,29 @@ def test_each_prompt_is_encoded_once_per_text_length(family, monkeypatch):
     assert sum(calls) <= 2 * len(PROMPTS)  # once per prompt and length (the Qwen families cache one full length)
 
 
+def test_the_prompt_cache_holds_no_more_than_its_bytes(family, monkeypatch):
+    """model.prompt_cache_gib: past the byte cap the least recently used prompts are dropped (and encoded again when
+    asked for), at every text length the family caches; a call's own prompts are kept even above the cap."""
+    cls, path = family
+    adapter = cls.from_pretrained(path, torch.device("cpu"), torch.float32)
+    one = adapter.encode_prompts(PROMPTS[:1], 32)[0]
+    per_prompt = one.numel() * one.element_size()
+    adapter = cls.from_pretrained(path, torch.device("cpu"), torch.float32)
+    adapter.prompt_cache.max_bytes = 2 * per_prompt  # room for two prompts' embeddings
+    calls = []
+    encode = adapter._encode_uncached
+    monkeypatch.setattr(adapter, "_encode_uncached", lambda prompts, *args: calls.append(list(prompts)) or
+                        encode(prompts, *args))
+    many = [f"prompt number {i}" for i in range(3)]
+    assert len(adapter.encode_prompts(many, 32)) == 3  # all three kept for the call itself
+    calls.clear()
+    adapter.encode_prompts(["another prompt"], 32)  # evicts the two least recent: prompts 0 and 1
+    adapter.encode_prompts(many[2:], 32)
+    assert calls == [["another prompt"]]  # prompt 2 was still cached
+    adapter.encode_prompts(many[:1], 32)
+    assert calls[-1] == many[:1]  # prompt 0 was dropped and is encoded again
+
+
 def test_the_text_encoder_fsdp_shards_is_a_module_with_its_layers(family):
     """parallel.text_encoder shards text_encoder_module() by text_encoder_layers() (distributed/fsdp.py):
     fully_shard needs a module with a forward (not the ModuleList that holds sd3's or flux's encoders), and the

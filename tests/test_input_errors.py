@@ -222,3 +222,12 @@ def test_the_cpu_estimate_counts_sd3_and_flux_from_their_released_configs(tmp_pa
     assert low < rollout_flops(cfg, family, json.loads((released / "config.json").read_text())) < high
     warning = cpu_rollout_warning(cfg, released.parent, family)
     assert warning is not None and "model.device=cuda" in warning
+
+
+def test_a_prompt_cache_without_room_is_refused():
+    from imagerl.validation import validate
+
+    for override in ("model.prompt_cache_gib=0", "model.prompt_cache_size=0"):
+        cfg = load_config("quickstart", [override])
+        with pytest.raises(ValueError, match="model.prompt_cache_gib must be > 0"):
+            validate(cfg, world_size=1)

@@ -65,6 +65,7 @@ def load_adapter(cfg: Config, world: World):
     path = resolve_model_path(cfg.model.path, world)
     family = family_class(path, cfg.model.family)
     adapter = family.from_pretrained(path, world.device, resolve_dtype(cfg.model.dtype, world.device), cfg.model.prompt_cache_size)
+    adapter.prompt_cache.max_bytes = int(cfg.model.prompt_cache_gib * 2**30)
     return prepare_adapter(adapter, cfg)
 
 

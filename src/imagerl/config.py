@@ -47,6 +47,9 @@ class ModelConfig:
     for qwen_image with CFG). 0: all of them."""
     prompt_cache_size: int = 4096
     """Prompt embeddings kept (LRU) across rollouts; one text-encoder pass per unique prompt."""
+    prompt_cache_gib: float = 2.0
+    """Device memory the cached prompt embeddings may hold (GiB; LRU beyond it). FLUX.1 keeps 4 MiB per prompt (T5
+    padded to 512 tokens): 512 prompts in 2 GiB; Qwen-Image about 0.2 MiB."""
     text_encoder_offload: bool = False
     """Keep the text encoder's weights in (pinned) CPU memory and copy them to the device only while prompts the
     cache lacks are encoded (families/base.py offload_text_encoder): the same embeddings bit for bit, and its device

@@ -52,6 +52,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     from imagerl.mixture import check_mixture
 
     check_mixture(cfg)  # data.mixture; reward.weights becomes the union of its sets' rewards
+    if not cfg.model.prompt_cache_gib > 0 or cfg.model.prompt_cache_size < 1:
+        raise ValueError(f"model.prompt_cache_gib must be > 0 and model.prompt_cache_size >= 1 (the cache must hold a "
+                         f"rollout's prompts), got {cfg.model.prompt_cache_gib} and {cfg.model.prompt_cache_size}")
     if cfg.model.checkpoint_blocks < 0:
         raise ValueError(f"model.checkpoint_blocks must be >= 0 (0: every block checkpoint_every selects), got "
                          f"{cfg.model.checkpoint_blocks}")

@@ -56,23 +56,36 @@ def group_rows_by_length(rows: list[torch.Tensor], device) -> tuple[list[torch.T
 
 
 class PromptCache:
-    """LRU map prompt -> (L, D) embedding, so each unique prompt is encoded once."""
+    """LRU map prompt -> (L, D) embedding, so each unique prompt is encoded once: at most max_size prompts and
+    max_bytes of embeddings (model.prompt_cache_size, model.prompt_cache_gib), the least recently used dropped
+    first; a call's own prompts are always kept. Entries differ 20x across families: Qwen-Image keeps a prompt's
+    valid tokens (about 30 x 3584 bf16, 0.2 MiB), FLUX.1 its T5 padded to 512 tokens (512 x 4096 bf16, 4 MiB:
+    4096 prompts would hold 16 GiB of the device)."""
 
-    def __init__(self, max_size: int):
-        self.max_size = max_size
+    def __init__(self, max_size: int, max_bytes: int | None = None):
+        self.max_size, self.max_bytes = max_size, max_bytes
         self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.nbytes = 0
+
+    def like(self) -> "PromptCache":
+        """An empty cache with these limits (base.encode_padded keeps one per text length)."""
+        return PromptCache(self.max_size, self.max_bytes)
 
     def get_many(self, prompts: list[str], encode) -> list[torch.Tensor]:
         missing = list(dict.fromkeys(p for p in prompts if p not in self._items))
         if missing:
             for prompt, emb in zip(missing, encode(missing)):
                 self._items[prompt] = emb
+                self.nbytes += emb.numel() * emb.element_size()
         out = []
         for p in prompts:
             self._items.move_to_end(p)
             out.append(self._items[p])
-        while len(self._items) > max(self.max_size, len(set(prompts))):
-            self._items.popitem(last=False)
+        keep = len(set(prompts))  # the last `keep` entries: this call's prompts
+        while len(self._items) > keep and (len(self._items) > self.max_size or
+                                           (self.max_bytes is not None and self.nbytes > self.max_bytes)):
+            _, emb = self._items.popitem(last=False)
+            self.nbytes -= emb.numel() * emb.element_size()
         return out
 
 
@@ -348,7 +361,7 @@ class FamilyAdapter:
         per length a run asks for (the recipe's, evaluation's), each prompt encoded once per length."""
         caches = self.__dict__.setdefault("_prompt_caches_by_length", {})
         if length not in caches:
-            caches[length] = PromptCache(self.prompt_cache.max_size)
+            caches[length] = self.prompt_cache.like()
         return caches[length].get_many(prompts, lambda missing: self.encode_missing(missing, length))
 
     @classmethod

@@ -25,7 +25,9 @@ The model, per rank (bytes):
               in host memory (pinned)
   peak      = max(rollout, training[, encode])
 rows: samples per forward, doubled under CFG (the negative prompt's rows); tokens: image tokens + the text cap
-(sample.max_sequence_length, the worst case).
+(sample.max_sequence_length, the worst case). Not counted: the prompt cache's embeddings of earlier rollouts,
+which grow over a run up to model.prompt_cache_gib (2 GiB by default; FLUX.1 and SD3 reach it, Qwen-Image stays
+under 1 GiB at 4096 prompts) and ride in the headroom check_memory leaves (USABLE_FRACTION).
 
 The four coefficients were fitted to nine measured peaks of the released-size qwen_image (RESULTS.md runs I, P,
 S, AE, AH, AI: rollout batch 8-16, training batch 4-8, merged or not, checkpointing every block, every other
