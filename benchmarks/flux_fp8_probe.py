@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--compiled-only", action="store_true", help="skip the eager modes and the targets-only FP8")
+    p.add_argument("--layers-only", action="store_true", help="time the layers alone, not the model")
     a = p.parse_args()
     dry = a.dry_run
     device = torch.device("cpu" if dry or not torch.cuda.is_available() else "cuda")
@@ -66,6 +67,7 @@ def main() -> None:
             linear = torch.nn.Linear(k, n_out, device=device, dtype=torch.bfloat16)
             fp8 = Fp8Linear(linear.weight.detach(), linear.bias.detach())
             xs = torch.randn(x_rows, k, device=device, dtype=torch.bfloat16)
+            x32 = xs.float()
             for name, layer in (("bf16", linear), ("fp8", fp8), ("bf16 compiled", torch.compile(linear)),
                                 ("fp8 compiled", torch.compile(fp8))):
                 with torch.no_grad():
@@ -75,6 +77,14 @@ def main() -> None:
                 rows.append(row)
                 print(" | ".join(f"{k_} {v:.3f}" if isinstance(v, float) else f"{k_} {v}" for k_, v in row.items()),
                       flush=True)
+            for name, layer in (("bf16, fp32 in, autocast", linear), ("fp8, fp32 in, autocast", fp8)):
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    times = _timed(lambda: [layer(x32) for _ in range(20)], device, 4)
+                rows.append(dict(layer=name, m=x_rows, k=k, n=n_out, ms=min(times[1:]) / 20 * 1e3))
+                print(rows[-1], flush=True)
+    if a.layers_only:
+        (out / "flux_fp8_probe.json").write_text(json.dumps(rows, indent=1))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench("flux", device, dry, Path(tmp), 0, 1)
         for compiled in (True,) if a.compiled_only else (False, True):
