@@ -38,6 +38,7 @@ merged copies in FP8, the first 40 or 45 blocks checkpointed) are reproduced wit
   CHECKPOINT_BYTES 2: a checkpointed block keeps its bf16 input.
   INFERENCE_BYTES 4: a no-grad forward frees each block's activations before the next.
   DECODE_BYTES_PER_PIXEL 6500: the float32 VAE decoder's full-resolution feature maps of one image.
+Fitted on Qwen-Image alone, they put SD3.5-Medium's and FLUX.1-dev's measured peaks (runs AR, AX) 4-7 % high.
 """
 
 from __future__ import annotations
