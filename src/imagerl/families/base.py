@@ -136,6 +136,18 @@ def loading(path: Path, component: str):
         raise ValueError(f"cannot load {component} from {path / component}: {type(e).__name__}: {e}") from e
 
 
+def load_text_encoders(path: Path, specs, dtype) -> tuple[list, list]:
+    """([encoders], [tokenizers]) of a multi-encoder checkpoint (sd3, flux): specs are (encoder folder, tokenizer
+    folder, model class, tokenizer class) in the pipeline's order; each failure names its folder."""
+    encoders, tokenizers = [], []
+    for sub, tok, model_class, tokenizer_class in specs:
+        with loading(path, sub):
+            encoders.append(model_class.from_pretrained(path, subfolder=sub, dtype=dtype))
+        with loading(path, tok):
+            tokenizers.append(tokenizer_class.from_pretrained(path / tok))
+    return encoders, tokenizers
+
+
 def cfg_rows(true_cfg: bool, guidance_scale: float | None) -> int:
     """Transformer rows per sample: 2 under true CFG with guidance_scale > 1 (the negative prompt's row beside the
     prompt's), else 1 (no CFG, or a guidance-distilled family whose guidance is an input)."""
@@ -168,6 +180,20 @@ class FamilyAdapter:
     # model.path=<tiny_name> builds build_tiny_checkpoint() once into the cache as <tiny_cache_name>
     tiny_name: str = ""
     tiny_cache_name: str = ""
+
+    def _hold_modules(self, transformer, vae, text_encoders: list, tokenizers: list, scheduler_config: dict, device,
+                      dtype, prompt_cache_size: int) -> None:
+        """The frozen modules on the device, as the multi-encoder families (sd3, flux) hold them: the text encoders
+        in one ModuleList (text_encoder), the VAE in eval mode, an empty prompt cache."""
+        self.device, self.dtype = torch.device(device), dtype
+        self.scheduler_config = dict(scheduler_config)
+        self.transformer = transformer.to(self.device).requires_grad_(False)
+        self.vae = vae.to(self.device).eval().requires_grad_(False)
+        self.text_encoder = torch.nn.ModuleList(text_encoders).to(self.device).eval().requires_grad_(False)
+        self.tokenizers = tokenizers
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # 8
+        self.text_width = self.transformer.config.joint_attention_dim
+        self.prompt_cache = PromptCache(prompt_cache_size)
 
     @classmethod
     def load_pipeline(cls, path, **components):

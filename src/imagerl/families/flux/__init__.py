@@ -30,8 +30,8 @@ import torch
 from imagerl.families.base import (
     Conditioning,
     PackedLatentFamily,
-    PromptCache,
     check_components,
+    load_text_encoders,
     loading,
     read_json,
     read_model_index,
@@ -79,21 +79,14 @@ class FluxFamily(PackedLatentFamily):
 
     def __init__(self, transformer, vae, text_encoders, tokenizers, scheduler_config: dict, device, dtype,
                  prompt_cache_size: int = 4096):
-        self.device, self.dtype = torch.device(device), dtype
-        self.scheduler_config = dict(scheduler_config)
-        self.transformer = transformer.to(self.device).requires_grad_(False)
-        self.vae = vae.to(self.device).eval().requires_grad_(False)
-        self.text_encoder = torch.nn.ModuleList(text_encoders).to(self.device).eval().requires_grad_(False)
-        self.tokenizers = tokenizers
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # 8
+        self._hold_modules(transformer, vae, text_encoders, tokenizers, scheduler_config, device, dtype,
+                           prompt_cache_size)
         self.latent_channels = self.transformer.config.in_channels // 4  # 16
-        self.text_width = self.transformer.config.joint_attention_dim
         self.pooled_width = self.transformer.config.pooled_projection_dim
         if self.pooled_width > self.text_width:
             raise ValueError(f"transformer pooled_projection_dim {self.pooled_width} exceeds joint_attention_dim "
                              f"{self.text_width}: the pooled row cannot ride with the T5 rows")
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
-        self.prompt_cache = PromptCache(prompt_cache_size)
         if self.device.type == "cuda":
             # cuDNN attention's backward at FLUX.1-dev's shapes (24 heads x 128, 1024 image + 512 text tokens) gave
             # NaN LoRA gradients, then an illegal memory access, on an H100 with torch 2.11, eager and compiled alike
@@ -122,16 +115,10 @@ class FluxFamily(PackedLatentFamily):
             transformer = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
         with loading(path, "vae"):
             vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
-        with loading(path, "text_encoder"):
-            clip = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
-        with loading(path, "text_encoder_2"):
-            t5 = T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", dtype=dtype)
-        with loading(path, "tokenizer"):  # the classes FLUX.1's model_index.json names
-            clip_tokenizer = CLIPTokenizer.from_pretrained(path / "tokenizer")
-        with loading(path, "tokenizer_2"):
-            t5_tokenizer = T5TokenizerFast.from_pretrained(path / "tokenizer_2")
-        return cls(transformer, vae, [clip, t5], [clip_tokenizer, t5_tokenizer], scheduler_config, device, dtype,
-                   prompt_cache_size)
+        encoders, tokenizers = load_text_encoders(path, (  # the classes FLUX.1's model_index.json names
+            ("text_encoder", "tokenizer", CLIPTextModel, CLIPTokenizer),
+            ("text_encoder_2", "tokenizer_2", T5EncoderModel, T5TokenizerFast)), dtype)
+        return cls(transformer, vae, encoders, tokenizers, scheduler_config, device, dtype, prompt_cache_size)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """num_steps + 1 float32 sigmas as FluxPipeline gets them: set_timesteps(sigmas=linspace(1, 1/N, N), mu)

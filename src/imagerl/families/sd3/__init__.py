@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from imagerl.families.base import Conditioning, FamilyAdapter, PromptCache, check_components, loading, read_json, \
-    read_model_index
+from imagerl.families.base import Conditioning, FamilyAdapter, check_components, load_text_encoders, loading, \
+    read_json, read_model_index
 from imagerl.families.registry import register_family
 
 COMPONENTS = {
@@ -59,16 +59,9 @@ class SD3Family(FamilyAdapter):
 
     def __init__(self, transformer, vae, text_encoders, tokenizers, scheduler_config: dict, device, dtype,
                  prompt_cache_size: int = 4096):
-        self.device, self.dtype = torch.device(device), dtype
-        self.scheduler_config = dict(scheduler_config)
-        self.transformer = transformer.to(self.device).requires_grad_(False)
-        self.vae = vae.to(self.device).eval().requires_grad_(False)
-        self.text_encoder = torch.nn.ModuleList(text_encoders).to(self.device).eval().requires_grad_(False)
-        self.tokenizers = tokenizers
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self._hold_modules(transformer, vae, text_encoders, tokenizers, scheduler_config, device, dtype,
+                           prompt_cache_size)
         self.latent_channels = self.transformer.config.in_channels
-        self.text_width = self.transformer.config.joint_attention_dim
-        self.prompt_cache = PromptCache(prompt_cache_size)
 
     @classmethod
     def from_pretrained(cls, path, device, dtype, prompt_cache_size: int = 4096):
@@ -82,14 +75,10 @@ class SD3Family(FamilyAdapter):
             transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
         with loading(path, "vae"):
             vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
-        encoders, tokenizers = [], []
-        for sub, tok, klass in (("text_encoder", "tokenizer", CLIPTextModelWithProjection),
-                                ("text_encoder_2", "tokenizer_2", CLIPTextModelWithProjection),
-                                ("text_encoder_3", "tokenizer_3", T5EncoderModel)):
-            with loading(path, sub):
-                encoders.append(klass.from_pretrained(path, subfolder=sub, dtype=dtype))
-            with loading(path, tok):
-                tokenizers.append(AutoTokenizer.from_pretrained(path / tok))
+        encoders, tokenizers = load_text_encoders(path, (
+            ("text_encoder", "tokenizer", CLIPTextModelWithProjection, AutoTokenizer),
+            ("text_encoder_2", "tokenizer_2", CLIPTextModelWithProjection, AutoTokenizer),
+            ("text_encoder_3", "tokenizer_3", T5EncoderModel, AutoTokenizer)), dtype)
         return cls(transformer, vae, encoders, tokenizers, scheduler_config, device, dtype, prompt_cache_size)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
