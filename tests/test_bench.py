@@ -196,8 +196,9 @@ def test_dry_bench_flux_runs_a_dancegrpo_style_loop_beside_imagerl(tmp_path):
     prompt), T5 at the geometry's cap; the baseline (perf/bench_flux.py on FluxPipeline) and imagerl with every
     block checkpointed and the LoRA unmerged count the same FLOPs, and both replay exactly."""
     rows = run_bench("flux", {"imagerl": ["model.checkpoint_blocks=0"]}, warmup=0, iterations=1, dry=True,
-                     out=tmp_path, echo=lambda *_: None)
+                     out=tmp_path, echo=lambda *_: None, profiles=[[]])
     assert [r.name for r in rows] == ["baseline (diffusers+peft)", "imagerl"]
+    assert "rollout forward (defaults; batch 2)" in (tmp_path / "profile_flux.txt").read_text()
     for r in rows:
         assert r.images_per_s > 0 and r.train_pairs_per_s > 0 and r.rollout_mfu > 0 and r.train_mfu > 0
         assert r.log_prob_mean_abs_diff == 0.0

@@ -11,7 +11,7 @@ from imagerl.components import prepare_adapter, resolve_family_defaults
 from imagerl.distributed.fsdp import apply_parallelism
 from imagerl.distributed.parallel import World
 from imagerl.metrics import PhaseTimer
-from imagerl.rollout import _training_graph
+from imagerl.rollout import _training_graph, batch_conditioning
 
 
 KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention")),
@@ -35,9 +35,10 @@ def profile_step(bench, overrides: list[str], rows: int = 12) -> str:
     resolve_family_defaults(cfg, adapter)
     apply_parallelism(adapter, cfg, World(0, 1, bench.device))
     s, n = cfg.sample, cfg.sample.batch_size
-    text = adapter.encode_prompts([bench.prompts[0]] * n)
-    negative = adapter.encode_prompts([s.negative_prompt])[0]
-    cond = adapter.conditioning(text, [negative] * n, s.guidance_scale)
+    text = adapter.encode_prompts([bench.prompts[0]] * n, s.max_sequence_length)
+    # the negative prompt only where the guidance uses one (none for FLUX.1's distilled guidance), as the rollout
+    cond = batch_conditioning(adapter, text, adapter.encode_negative(s.negative_prompt, s.guidance_scale,
+                                                                     s.max_sequence_length), s.guidance_scale)
     x = adapter.initial_noise([torch.Generator().manual_seed(i) for i in range(n)], s.height, s.width)
     t = torch.full((n,), 500.0, device=bench.device)
     cuda = bench.device.type == "cuda"
