@@ -11,9 +11,9 @@ The merged copies live as long as the MergedLora object (qwen_image, r64 on the 
 27 GB in bf16, 13.6 GB in FP8); the caller drops it after the rollout, before training allocates its activations.
 With fp8=True (sample.off_window_fp8) each merged weight is quantized to e4m3 and its layer runs an FP8 GEMM
 (families/layers/fp8_linear.py): not the same function up to rounding any more, but still never replayed. So do
-the frozen Linear layers named in token_linears (the family's per-token GEMMs that are not LoRA targets: FLUX.1's
-single-stream MLPs under DanceGRPO's attention-only LoRA are 2/3 of its FLOPs); their e4m3 copies are rebuilt with
-the merged ones, so no copy outlives the rollout.
+the frozen Linear layers named in token_linears (the family's per-token GEMMs that are not LoRA targets: with
+DanceGRPO's attention-only LoRA, 76 % of FLUX.1-dev's linear FLOPs); their e4m3 copies are rebuilt with the merged
+ones, so no copy outlives the rollout.
 """
 
 from __future__ import annotations
