@@ -162,3 +162,21 @@ def test_training_on_a_mixture_logs_each_set(tiny_checkpoint, tmp_path):
 
     report, _ = write_report(run, phases=False)
     assert "held-out set other" in report and "held-out set shapes" in report and "shapes_mean" in report
+
+
+def test_held_out_prompts_alternate_between_the_sets_so_max_prompts_keeps_every_set(tmp_path):
+    """eval.max_prompts takes the held-out list's first entries: with the sets' lists interleaved prompt by prompt
+    (each prompt's test_samples_per_prompt samples together) a short evaluation still scores every set."""
+    other, held_out = tmp_path / "other.txt", tmp_path / "other_test.txt"
+    other.write_text("a photo number 0\n")
+    held_out.write_text("a photo number 8\na photo number 9\n")
+    sets = (f"[{{name: shapes, prompts: shapes-train, share: 3, rewards: {{shapes: 1.0}}, test_prompts: shapes-test}}, "
+            f"{{name: other, prompts: {other}, share: 1, rewards: {{jpeg_compressibility: 2.0}}, "
+            f"test_prompts: {held_out}}}]")
+    cfg = _mixture_cfg(tmp_path, "data.test_samples_per_prompt=2", sets=sets)
+    _, test = load_mixture(cfg.data)
+    tags = [m[MIXTURE_KEY] for m in test.metadata]
+    assert tags[:8] == ["shapes", "shapes", "other", "other", "shapes", "shapes", "other", "other"]
+    assert test.prompts[2:4] == ["a photo number 8"] * 2 and test.prompts[6:8] == ["a photo number 9"] * 2
+    assert test.prompts[0] == test.prompts[1] != test.prompts[4]
+    assert tags[8:] == ["shapes"] * (len(tags) - 8) and tags.count("other") == 4

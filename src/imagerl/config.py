@@ -292,7 +292,8 @@ class EvalConfig:
     """Image i of the test set always starts from the noise of (seed, i)."""
     batch_size: int = 4
     max_prompts: int = 0
-    """Evaluate only the first N test prompts (0: all)."""
+    """Evaluate only the first N test prompts (0: all); under data.mixture the sets' held-out prompts alternate, so
+    the first N hold every set's first prompts."""
     suites: list[str] = field(default_factory=list)
     """Evaluation suites run at each evaluation beside the held-out reward, on the weights evaluation uses:
     shapes, ocr, geneval (images only, under <run>/suites/geneval/step_N/), reward:NAME (on data.test_prompts);

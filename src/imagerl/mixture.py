@@ -90,16 +90,31 @@ def _concat(sets: list[PromptSet]) -> PromptSet:
     return PromptSet([p for s in sets for p in s.prompts], [m for s in sets for m in s.metadata])
 
 
+def _interleaved(sets: list[PromptSet], k: int) -> PromptSet:
+    """The sets' entries in runs of k (one prompt's k samples), taking a run from each set in turn while it has
+    one: eval.max_prompts' first N entries then hold every set's first prompts, not the first set's alone."""
+    runs = [[(s.prompts[i:i + k], s.metadata[i:i + k]) for i in range(0, len(s), k)] for s in sets]
+    prompts, metadata = [], []
+    for turn in range(max(len(r) for r in runs)):
+        for r in runs:
+            if turn < len(r):
+                prompts += r[turn][0]
+                metadata += r[turn][1]
+    return PromptSet(prompts, metadata)
+
+
 def load_mixture(data_cfg) -> tuple[PromptSet, PromptSet | None]:
     """(every set's training prompts, tagged with its name, in set order; the sets' held-out prompts likewise, each
-    repeated data.test_samples_per_prompt times, or None when no set has any)."""
+    repeated data.test_samples_per_prompt times and interleaved prompt by prompt across the sets, or None when no
+    set has any)."""
     train, test = [], []
+    k = data_cfg.test_samples_per_prompt
     for i, s in enumerate(data_cfg.mixture):
         train.append(_tagged(load_prompt_set(resolve_prompt_file(s.prompts), key=f"data.mixture[{i}].prompts"), s.name))
         if s.test_prompts:
             held_out = load_prompt_set(resolve_prompt_file(s.test_prompts), key=f"data.mixture[{i}].test_prompts")
-            test.append(repeat_prompts(_tagged(held_out, s.name), data_cfg.test_samples_per_prompt))
-    return _concat(train), (_concat(test) if test else None)
+            test.append(repeat_prompts(_tagged(held_out, s.name), k))
+    return _concat(train), (_interleaved(test, k) if test else None)
 
 
 @dataclass
