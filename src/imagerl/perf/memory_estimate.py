@@ -113,9 +113,10 @@ class ModelDims:
             targets = [m for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)
                        and any(n == t or n.endswith("." + t) for t in lora_targets)]
             lora = sum(lora_rank * (m.in_features + m.out_features) for m in targets)
+        from imagerl.families.layers.merged_lora import frozen_token_linears
+
         target_ids = {id(m) for m in targets}
-        frozen_token = [m for n, m in transformer.named_modules() if type(m) is torch.nn.Linear  # (merged_lora.py)
-                        and n.endswith(tuple("." + t for t in token_linears)) and id(m) not in target_ids]
+        frozen_token = [m for _, m in frozen_token_linears(transformer, token_linears) if id(m) not in target_ids]
         config = transformer.config
         hidden = getattr(transformer, "inner_dim", None) or config.num_attention_heads * config.attention_head_dim
         text_config = getattr(text_encoder, "config", None)
@@ -192,7 +193,8 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
     merged = 0
     if s.merge_lora:
         # bf16 merged copies, or e4m3 ones of the targets and the frozen token linears (merged_lora.py)
-        merged = (dims.merge_target_params + dims.frozen_token_params) if s.off_window_fp8 else 2 * dims.merge_target_params
+        merged = (dims.merge_target_params + dims.frozen_token_params if s.off_window_fp8
+                  else 2 * dims.merge_target_params)
     decode_per_pixel = DECODE_BYTES_PER_PIXEL / (2 if cfg.model.vae_dtype == "bfloat16" else 1)
     rollout = (static + on_device + merged + s.batch_size * cfg_rows * tokens * dims.hidden * INFERENCE_BYTES
                + min(s.decode_batch_size or micro, s.batch_size) * s.height * s.width * decode_per_pixel)

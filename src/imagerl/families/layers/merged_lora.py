@@ -39,16 +39,22 @@ def _merged(module, names: list[str], weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _frozen_fp8_swaps(transformer: torch.nn.Module, token_linears: tuple[str, ...]) -> list:
-    """(parent, name, layer, Fp8Linear of its weight) for each plain nn.Linear whose name ends with one of
-    token_linears after a '.' (inside a block: the top-level proj_out is not one) and whose dims the FP8 GEMM takes.
-    A LoRA target is a peft layer, not an nn.Linear (MergedLora merges it), and its base_layer / lora_A / lora_B
-    names end otherwise."""
+def frozen_token_linears(transformer: torch.nn.Module, token_linears: tuple[str, ...]) -> list:
+    """(name, layer) of each plain nn.Linear whose name ends with one of token_linears after a '.' (inside a block:
+    the top-level proj_out is not one). A LoRA target under PEFT is a peft layer, not an nn.Linear, and its
+    base_layer / lora_A / lora_B names end otherwise; without PEFT (a meta-device estimate) targets are included."""
     suffixes = tuple("." + name for name in token_linears)
+    return [(name, layer) for name, layer in transformer.named_modules()
+            if type(layer) is torch.nn.Linear and name.endswith(suffixes)]
+
+
+def _frozen_fp8_swaps(transformer: torch.nn.Module, token_linears: tuple[str, ...]) -> list:
+    """(parent, name, layer, Fp8Linear of its weight) for each frozen_token_linears layer whose dims the FP8 GEMM
+    takes."""
     swaps = []
     with torch.no_grad():
-        for full, layer in transformer.named_modules():
-            if type(layer) is torch.nn.Linear and full.endswith(suffixes) and fp8_alignable(layer.weight):
+        for full, layer in frozen_token_linears(transformer, token_linears):
+            if fp8_alignable(layer.weight):
                 parent, name = full.rsplit(".", 1)
                 swaps.append((transformer.get_submodule(parent), name, layer, Fp8Linear(layer.weight, layer.bias)))
     return swaps

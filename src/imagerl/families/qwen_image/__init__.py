@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from imagerl.families.base import (Conditioning, PackedLatentFamily, PromptCache, check_components, group_rows_by_length,
-                                   loading, read_json, read_model_index)
+from imagerl.families.base import (Conditioning, PackedLatentFamily, PromptCache, check_components,
+                                   group_rows_by_length, loading, read_json, read_model_index)
 from imagerl.families.registry import register_family
 from imagerl.families.layers.vae_single_frame import single_frame_convs
 
