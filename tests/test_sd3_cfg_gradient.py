@@ -1,5 +1,7 @@
-"""The sd3 family trains its CFG velocity as flow_grpo's scripts/train_sd3.py (compute_log_prob): the uncond
-prediction is detached, so v = u + s (c - u) has the value of plain CFG and the gradient s x d(c)."""
+"""The sd3 family trains its CFG velocity as flow_grpo's scripts/train_sd3.py compute_log_prob does at 9745241
+(November 2025): v = u + s (c - u) with the gradient through both rows, s d(c) + (1 - s) d(u). flow_grpo detached u
+from 2d76907 (2025-07-15) until a482878 (2025-08-19, "fix cfg gradient detach"); the reference below is the current
+form, written out from two separate float64 forwards."""
 
 import pytest
 import torch
@@ -20,11 +22,10 @@ def adapter(tmp_path_factory):
 
 
 def _grads(adapter, loss):
-    params = adapter.trainable_parameters()
-    return torch.autograd.grad(loss, params)
+    return torch.autograd.grad(loss, adapter.trainable_parameters(), retain_graph=True)
 
 
-def test_cfg_velocity_is_plain_cfg_with_the_gradient_of_the_cond_rows_times_the_scale(adapter):
+def test_cfg_velocity_and_gradient_are_those_of_train_sd3_compute_log_prob(adapter):
     torch.manual_seed(0)
     text = adapter.encode_prompts(["a red circle", "a cat"])
     negative = adapter.encode_prompts([" "])[0]
@@ -32,14 +33,20 @@ def test_cfg_velocity_is_plain_cfg_with_the_gradient_of_the_cond_rows_times_the_
     t = torch.tensor([700.0, 300.0])
     s = 4.5
     guided = adapter.velocity(x, t, adapter.conditioning(text, [negative, negative], s), H, W)
-    cond_only = adapter.velocity(x, t, adapter.conditioning(text, None, 1.0), H, W)
-    with torch.no_grad():
-        uncond = adapter.velocity(x, t, adapter.conditioning([negative, negative], None, 1.0), H, W)
-    # the value: plain CFG of the two separate forwards (float64)
-    torch.testing.assert_close(guided, uncond + s * (cond_only - uncond), rtol=0, atol=1e-12)
-    # the gradient: s x the cond rows' gradient, for a loss that weighs every value differently. The family returns
-    # float32 velocities, so the gradients agree to float32 rounding (2e-7 measured); without the detach they would
-    # differ by (1 - s) x d(uncond), of the order of the gradient itself
+    cond = adapter.velocity(x, t, adapter.conditioning(text, None, 1.0), H, W)
+    uncond = adapter.velocity(x, t, adapter.conditioning([negative, negative], None, 1.0), H, W)
+    # train_sd3.py lines 190-195 at 9745241: noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+    reference = uncond + s * (cond - uncond)
+    torch.testing.assert_close(guided, reference, rtol=0, atol=1e-12)
+    # the gradient, for a loss that weighs every value differently. The family returns float32 velocities, so the
+    # gradients agree to float32 rounding
     w = torch.randn_like(guided)
-    for g_guided, g_cond in zip(_grads(adapter, (w * guided).sum()), _grads(adapter, (w * cond_only).sum())):
-        torch.testing.assert_close(g_guided, s * g_cond, rtol=1e-5, atol=1e-6)
+    g_guided = _grads(adapter, (w * guided).sum())
+    g_reference = _grads(adapter, (w * reference).sum())
+    g_cond = _grads(adapter, (w * cond).sum())
+    for a, b in zip(g_guided, g_reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # and it is not the detached form s d(c) of 2d76907: the two differ by (1 - s) d(u), of the order of the gradient
+    relative = torch.cat([(a - s * c).flatten() for a, c in zip(g_guided, g_cond)]).norm() / \
+        torch.cat([a.flatten() for a in g_guided]).norm()
+    assert relative > 0.1, relative

@@ -125,8 +125,8 @@ def forward_flops(transformer, image_tokens: int, text_tokens: list[int], lora_r
 class FlowGRPOBaselineSD3(FlowGRPOBaseline):
     """flow_grpo's scripts/train_sd3.py on StableDiffusion3Pipeline: prompts encoded per sampling batch
     (pipeline.encode_prompt, CLIP-L + CLIP-G + T5 at max_sequence_length 128), [uncond, cond] rows in one forward,
-    plain CFG with the uncond prediction detached in training (compute_log_prob), the pipeline's static-shift
-    schedule, fp32 VAE decode; eager, no gradient checkpointing (train_sd3.py enables none)."""
+    plain CFG with the gradient through both rows in training (compute_log_prob at 9745241), the pipeline's
+    static-shift schedule, fp32 VAE decode; eager, no gradient checkpointing (train_sd3.py enables none)."""
 
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                     "attn.to_out.0", "attn.to_q", "attn.to_v")
@@ -153,8 +153,7 @@ class FlowGRPOBaselineSD3(FlowGRPOBaseline):
                                 pooled_projections=pooled, return_dict=False)[0]
         if not self.cfg:
             return pred
-        uncond, text_pred = pred.chunk(2)
-        uncond = uncond.detach()
+        uncond, text_pred = pred.chunk(2)  # no detach: train_sd3.py compute_log_prob since a482878
         return uncond + self.s.guidance_scale * (text_pred - uncond)
 
     def _initial_latents(self, n: int, dtype, generator):

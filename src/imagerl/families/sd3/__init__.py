@@ -11,7 +11,8 @@ Mirrors diffusers 0.42.1 `StableDiffusion3Pipeline` (pipelines/stable_diffusion_
             log-prob (means over all latent values) treat alike.
   timestep  the transformer receives the scheduler timestep (0..1000) as is.
   CFG       v = u + s (c - u), uncond and cond in one batch (diffusers: [uncond, cond]; here [cond, uncond]);
-            u detached, as flow_grpo's train_sd3.py trains it (the gradient flows through the cond rows).
+            the gradient flows through both rows, as flow_grpo's train_sd3.py trains it since a482878
+            (2025-08-19, "fix cfg gradient detach"; 2d76907 had detached u for five weeks).
   decode    x / scaling_factor + shift_factor, VAE decode (float32), (x / 2 + 0.5).clamp(0, 1).
 """
 
@@ -180,9 +181,8 @@ class SD3Family(FamilyAdapter):
         if not cond.cfg:
             return pred
         c, u = pred.chunk(2)
-        # flow_grpo scripts/train_sd3.py compute_log_prob detaches the uncond prediction: the same velocity, and the
-        # policy gradient flows through the cond rows only (guidance x d(cond)), not (1 - guidance) x d(uncond) too
-        u = u.detach()
+        # both rows carry the gradient, s d(c) + (1 - s) d(u): flow_grpo scripts/train_sd3.py compute_log_prob at
+        # 9745241 (the uncond detach of 2d76907 was removed by a482878, "fix cfg gradient detach")
         return u + cond.guidance_scale * (c - u)
 
     @torch.no_grad()
