@@ -205,7 +205,11 @@ def test_per_reward_advantages_are_the_weighted_sum_of_each_rewards_own_advantag
                                  "jpeg": torch.tensor(jpeg, dtype=torch.float64)}, weights, torch.tensor(groups),
                                 global_std=global_std)
     a, b = _direct_group_advantages(shapes, groups, global_std), _direct_group_advantages(jpeg, groups, global_std)
-    expected = [1.0 * x + 0.5 * y for x, y in zip(a, b)]
+    pre = [1.0 * x + 0.5 * y for x, y in zip(a, b)]
+    # GDPO's batch normalisation: (P - mean) / (std + 1e-4), std with Bessel's correction
+    mean = sum(pre) / len(pre)
+    std = (sum((p - mean) ** 2 for p in pre) / (len(pre) - 1)) ** 0.5
+    expected = [(p - mean) / (std + 1e-4) for p in pre]
     assert got.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
     summed = group_advantages(torch.tensor([s + 0.5 * j for s, j in zip(shapes, jpeg)], dtype=torch.float64),
                               torch.tensor(groups), global_std=global_std)

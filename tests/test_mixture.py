@@ -106,30 +106,39 @@ def test_each_image_is_scored_by_its_own_sets_rewards_only(tmp_path):
 
 
 def test_per_reward_advantages_of_a_mixture_against_a_float64_loop():
-    """Two sets: groups 0-1 scored by reward a (weight 1), groups 2-3 by b (weight 3) and a (weight 0.5). Each reward's
-    advantage uses only the images it scored: their group means and their global std."""
-    from imagerl.algorithms.advantages import per_reward_advantages
+    """Two sets: groups 0-1 scored by reward a (weight 1), groups 2-3 by b (weight 3) and a (weight 0.5). Each set's
+    advantages are computed over its own samples: one reward (set 0) is GRPO on the weighted reward, two (set 1) are
+    GDPO (each reward's group advantage over the set's global std, weighted, summed, batch-normalised)."""
+    from imagerl.algorithms.advantages import rollout_advantages
+    from imagerl.distributed.parallel import World
 
     g = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
+    sets = torch.tensor([0] * 6 + [1] * 6)
     a = torch.tensor([1.0, 2.0, 4.0, 0.5, 0.5, 1.5, 3.0, 1.0, 2.0, 0.0, 2.0, 7.0], dtype=torch.float64)
     b = torch.tensor([math.nan] * 6 + [10.0, 30.0, 20.0, 5.0, 5.0, 35.0], dtype=torch.float64)
     wa = torch.tensor([1.0] * 6 + [0.5] * 6, dtype=torch.float64)
     wb = torch.tensor([0.0] * 6 + [3.0] * 6, dtype=torch.float64)
-    got = per_reward_advantages({"a": a, "b": b}, {"a": wa, "b": wb}, g, global_std=True)
+    total = wa * a + torch.nan_to_num(wb * b)
+    got, _ = rollout_advantages(total, torch.ones(12, dtype=torch.bool), g, World(0, 1, torch.device("cpu")), True,
+                                {"a": a, "b": b}, {"a": wa, "b": wb}, sets)
 
     def advantages(values, samples):
-        vals = [values[i].item() for i in samples]
+        vals = [values[i] for i in samples]
         mean_all = sum(vals) / len(vals)
         std = math.sqrt(sum((v - mean_all) ** 2 for v in vals) / len(vals))
         out = {}
         for i in samples:
-            group = [values[j].item() for j in samples if g[j] == g[i]]
-            out[i] = (values[i].item() - sum(group) / len(group)) / (std + 1e-4)
+            group = [values[j] for j in samples if g[j] == g[i]]
+            out[i] = (values[i] - sum(group) / len(group)) / (std + 1e-4)
         return out
 
-    adv_a, adv_b = advantages(a, range(12)), advantages(b, range(6, 12))
-    expected = [wa[i].item() * adv_a[i] + (wb[i].item() * adv_b[i] if i >= 6 else 0.0) for i in range(12)]
-    assert got.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    set0 = advantages([wa[i].item() * a[i].item() for i in range(12)], range(6))
+    adv_a, adv_b = advantages(a.tolist(), range(6, 12)), advantages(b.tolist(), range(6, 12))
+    pre = [0.5 * adv_a[i] + 3.0 * adv_b[i] for i in range(6, 12)]
+    mean = sum(pre) / 6
+    std = math.sqrt(sum((p - mean) ** 2 for p in pre) / 5)
+    expected = [set0[i] for i in range(6)] + [(p - mean) / (std + 1e-4) for p in pre]
+    assert got.double().tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)  # the advantages come back float32
 
 
 def test_training_on_a_mixture_logs_each_set(tiny_checkpoint, tmp_path):

@@ -219,8 +219,9 @@ class TrainConfig:
     """Advantage std over the whole rollout (True, flow_grpo Qwen-Image) or per group."""
     advantage: str = "sum"
     """"sum": the group advantage of the weighted sum of the rewards (flow_grpo); "per_reward" (GDPO): each reward's
-    group advantage normalised on its own (global_std as set), then weighted and summed, so that a reward with a
-    large spread cannot drown the others (algorithms/advantages.py). Both algorithms."""
+    group advantage normalised on its own (global_std as set), weighted, summed and normalised over the batch, so
+    that a reward with a large spread cannot drown the others (algorithms/advantages.py). Both algorithms. Under
+    data.mixture either is computed set by set."""
 
 
 @dataclass

@@ -9,8 +9,9 @@ the same prompts. Rank r keeps its contiguous slice of the global list, as Group
 K images) never spans ranks, and never mixes sets.
 
 Scoring: each prompt's metadata carries MIXTURE_KEY, its set's name. The Scorer (rewards.registry) scores an image
-with its set's rewards only (the other components are NaN for it) and weights them by its set's weights; with
-train.advantage=per_reward each reward is normalised over the images it scored (advantages.per_reward_advantages).
+with its set's rewards only (the other components are NaN for it) and weights them by its set's weights. Advantages
+are computed set by set (advantages.rollout_advantages): a set's samples are normalised by their own statistics, so
+one set's reward spread does not scale another's advantages.
 """
 
 from __future__ import annotations
@@ -175,6 +176,15 @@ def sample_weights(metadata: list[dict], weights: dict[str, float], per_set: dic
         return weights
     return {name: torch.tensor([per_set[m[MIXTURE_KEY]].get(name, 0.0) for m in metadata], dtype=torch.float64)
             for name in weights}
+
+
+def set_ids(metadata: list[dict], names: list[str]) -> torch.Tensor | None:
+    """Each sample's set index in `names` (the config's sets, (B,) long), or None without a mixture: the advantages
+    are then computed set by set (advantages.rollout_advantages)."""
+    if not names:
+        return None
+    index = {name: i for i, name in enumerate(names)}
+    return torch.tensor([index[m[MIXTURE_KEY]] for m in metadata], dtype=torch.long)
 
 
 def set_metrics(prefix: str, names: list[str], metadata: list[dict], total_B, valid_B, components: dict,

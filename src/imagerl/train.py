@@ -23,7 +23,7 @@ from imagerl.distributed.parallel import init_world, resolve_device
 from imagerl.gc_freeze import GCFreeze
 from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
                              read_metrics, require_wandb, save_image_grid)
-from imagerl.mixture import make_sampler, sample_weights, set_metrics, set_weights
+from imagerl.mixture import make_sampler, sample_weights, set_ids, set_metrics, set_weights
 from imagerl.perf.memory_estimate import check_memory
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
@@ -120,7 +120,8 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
                 advantages, reward_metrics = rollout_advantages(
                     rewards.total_B, rewards.valid_B, rollout.group_ids_B, world, cfg.train.global_std,
                     rewards.components if per_reward else None,
-                    sample_weights(rollout.metadata_B, cfg.reward.weights, set_weights(cfg)) if per_reward else None)
+                    sample_weights(rollout.metadata_B, cfg.reward.weights, set_weights(cfg)) if per_reward else None,
+                    set_ids(rollout.metadata_B, [m.name for m in cfg.data.mixture]))  # each set on its own
                 _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, save)
             with timer("train"), progress_bar(algo.forwards_per_update(plan.batches_per_rank), "  train",
                                               world.is_main, "fwd", False) as pb:

@@ -5,11 +5,20 @@ A_i = (R_i - mean(R_g(i))) / (std + eps), std = population std (ddof 0) of the s
 eps = 1e-4. Size-1 and all-equal groups get advantage 0. Statistics in float64.
 Clipping to +-adv_clip_max happens in the loss, as in flow_grpo.
 
-train.advantage=per_reward (GDPO, group reward-decoupled normalization for several rewards, NVIDIA 2026):
-each reward component's advantage is normalised on its own as above, and the advantage is their weighted sum,
-A_i = sum_n w_n (R_n,i - mean(R_n,g(i))) / (std_n + eps), so that a reward with a large spread cannot drown the
-others (with one reward it equals the sum mode's, w times it). Under data.mixture a reward's advantage is computed
-over the images its sets scored, and w is each image's set's weight.
+train.advantage=per_reward (GDPO, group reward-decoupled normalization for several rewards, NVIDIA 2026; NVlabs/GDPO
+trl-GDPO/trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py at b080e63, lines 1222-1248): each reward component's advantage is
+normalised on its own as above, their weighted sum is taken, and the sum is normalised over the batch,
+  P_i = sum_n w_n (R_n,i - mean(R_n,g(i))) / (std_n + eps),   A_i = (P_i - mean(P)) / (std(P) + 1e-4),
+std(P) with Bessel's correction (torch's default, as GDPO), so that a reward with a large spread cannot drown the
+others and the advantage keeps unit scale whatever the number of rewards. With one reward GDPO falls back to GRPO on
+the weighted reward (its `len(self.reward_weights) > 1` test), and so does this. Where imagerl differs: the group
+std is the population std (flow_grpo's, as in the sum mode; GDPO: torch's unbiased std) and may be global
+(global_std); with equal group sizes that is a common factor sqrt((K-1)/K) that the batch normalisation removes, up
+to eps.
+
+data.mixture: every set's advantages are computed over that set's samples alone (its own global std, its own batch
+normalisation), so a set whose rewards spread little is not scaled down by another's; each set's advantages have
+unit scale. A reward's weight is then the set's weight.
 """
 
 from __future__ import annotations
@@ -69,27 +78,48 @@ def group_advantages(rewards: torch.Tensor, group_ids, *, global_std: bool, eps:
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
+def batch_normalised(adv: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GDPO's last step (grpo_trainer.py lines 1244-1248 at b080e63): (A - mean(A)) / (std(A) + 1e-4), std with
+    Bessel's correction as torch's default. Fewer than two samples: zeros (GDPO's std would be NaN)."""
+    adv = adv.to(torch.float64)
+    if adv.numel() < 2:
+        return torch.zeros_like(adv)
+    return (adv - adv.mean()) / (adv.std() + eps)
+
+
 def per_reward_advantages(components: dict[str, torch.Tensor], weights: dict[str, float | torch.Tensor], group_ids,
                           *, global_std: bool, eps: float = 1e-4) -> torch.Tensor:
-    """The weighted sum of each component's own group advantage (float64, 1-D; module docstring).
+    """GDPO's advantages (float64, 1-D; module docstring): the weighted sum of each component's own group advantage,
+    normalised over the batch; with one scored component, the group advantage of the weighted reward.
 
-    data.mixture: a weight may be a per-sample tensor (its set's weight), and a component is NaN on the samples of
-    sets that do not use it; each component's advantage is then computed over the samples it scored (their groups,
-    their global std) and adds 0 elsewhere."""
+    A weight may be a per-sample tensor, and a component NaN on samples that it did not score (data.mixture); each
+    component's advantage is computed over the samples it scored (their groups, their global std) and adds 0
+    elsewhere."""
     if not components:
         raise ValueError("per-reward advantages need at least one reward component")
     group_ids = as_group_ids(group_ids)
-    total = None
+    parts = []
     for name, values in components.items():
         values = torch.as_tensor(values, dtype=torch.float64)
         scored = torch.isfinite(values)
-        adv = torch.zeros_like(values)
         if scored.any():
-            adv[scored] = group_advantages(values[scored], group_ids[scored], global_std=global_std,
-                                           eps=eps).to(torch.float64)
-        part = torch.as_tensor(weights[name], dtype=torch.float64) * adv
-        total = part if total is None else total + part
-    return total
+            parts.append((name, values, scored))
+    if not parts:
+        return torch.zeros(group_ids.shape, dtype=torch.float64)
+    if len(parts) == 1:  # GDPO: `if self.apply_gdpo and len(self.reward_weights) > 1`, else GRPO on the weighted sum
+        name, values, scored = parts[0]
+        weighted = torch.where(scored, torch.as_tensor(weights[name], dtype=torch.float64) * values, 0.0)
+        adv = torch.zeros_like(values)
+        adv[scored] = group_advantages(weighted[scored], group_ids[scored], global_std=global_std,
+                                       eps=eps).to(torch.float64)
+        return adv
+    total = torch.zeros_like(parts[0][1])
+    for name, values, scored in parts:
+        adv = torch.zeros_like(values)
+        adv[scored] = group_advantages(values[scored], group_ids[scored], global_std=global_std,
+                                       eps=eps).to(torch.float64)
+        total = total + torch.as_tensor(weights[name], dtype=torch.float64) * adv
+    return batch_normalised(total)
 
 
 @dataclass
@@ -117,9 +147,11 @@ def _unique_first(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def rollout_advantages(reward_B: torch.Tensor, valid_B: torch.Tensor, group_ids_B: torch.Tensor, world,
                        global_std: bool, components_B: dict[str, torch.Tensor] | None = None,
-                       weights: dict[str, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                       weights: dict[str, float] | None = None,
+                       set_ids_B: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """This rank's advantages from rewards gathered over all ranks, plus reward metrics. With components_B and
-    weights (train.advantage=per_reward) each component is normalised on its own (per_reward_advantages).
+    weights (train.advantage=per_reward) each component is normalised on its own (per_reward_advantages). With
+    set_ids_B (data.mixture: each sample's set index) each set's advantages are computed over its samples alone.
 
     Samples whose reward is not finite (valid_B False) get advantage 0 and are left out of every
     statistic; the caller decides whether they are allowed (reward.on_error).
@@ -128,15 +160,23 @@ def rollout_advantages(reward_B: torch.Tensor, valid_B: torch.Tensor, group_ids_
     reward_all = world.all_gather(reward_B.to(device, torch.float64)).cpu()
     valid_all = world.all_gather(valid_B.to(device)).cpu()
     groups_all = world.all_gather(group_ids_B.to(device)).cpu()
+    sets_all = (world.all_gather(set_ids_B.to(device)).cpu() if set_ids_B is not None
+                else torch.zeros_like(groups_all))
     adv_all = torch.zeros_like(reward_all)
     kept = reward_all[valid_all]
     if kept.numel() and components_B is not None:
-        parts = {n: world.all_gather(v.to(device, torch.float64)).cpu()[valid_all] for n, v in components_B.items()}
-        weights = {n: world.all_gather(w.to(device, torch.float64)).cpu()[valid_all] if isinstance(w, torch.Tensor)
+        parts = {n: world.all_gather(v.to(device, torch.float64)).cpu() for n, v in components_B.items()}
+        weights = {n: world.all_gather(w.to(device, torch.float64)).cpu() if isinstance(w, torch.Tensor)
                    else w for n, w in weights.items()}  # data.mixture: each sample's set's weight
-        adv_all[valid_all] = per_reward_advantages(parts, weights, groups_all[valid_all], global_std=global_std)
-    elif kept.numel():
-        adv_all[valid_all] = group_advantages(kept, groups_all[valid_all], global_std=global_std)
+    for s in torch.unique(sets_all[valid_all]).tolist():
+        rows = valid_all & (sets_all == s)
+        if components_B is not None:
+            adv_all[rows] = per_reward_advantages(
+                {n: v[rows] for n, v in parts.items()},
+                {n: w[rows] if isinstance(w, torch.Tensor) else w for n, w in weights.items()},
+                groups_all[rows], global_std=global_std)
+        else:
+            adv_all[rows] = group_advantages(reward_all[rows], groups_all[rows], global_std=global_std)
     n = reward_B.numel()
     stats = group_stats(kept, groups_all[valid_all]) if kept.numel() else GroupStats(float("nan"), float("nan"), 0)
     metrics = {
