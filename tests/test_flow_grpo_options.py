@@ -86,6 +86,8 @@ OPTIONS = {
     "sliding": ["sample.sde_window_schedule=sliding", "sample.sde_window_start=0", "sample.sde_window_stride=2"],
     "cps": ["sample.sde_type=cps", "sample.noise_level=0.8", "train.clip_range=1e-2"],
     "ema": ["train.ema=true"],
+    "sd3_order": ["train.drop_zero_advantage=true", "train.shuffle_batches=true", "train.ema=true",
+                  "train.ema_update_interval=2", "train.ema_repeats=2", "sample.prompts_per_rollout=4"],
     "flash": ["sample.off_window_solver=dpm2", "sample.post_window_steps=2"],
     "nft_shuffle": ["train.algorithm=diffusion_nft", "nft.solver=euler", "sample.group_size=4",
                     "sample.batch_size=2", "nft.old_decay_rate=0.3"],

@@ -215,6 +215,20 @@ class TrainConfig:
     decay min((1 + k) / (10 + k), train.ema_cap) (flow_grpo's train.ema, EMAModuleWrapper; DiffusionNFT has its own:
     nft.ema). Training and rollouts use the policy."""
     ema_cap: float = 0.9
+    ema_update_interval: int = 1
+    """train.ema: update the EMA only after optimizer steps k with (k + 1) a multiple of this (flow_grpo's
+    EMAModuleWrapper update_step_interval; its train_sd3.py uses 8). 1: after every optimizer step."""
+    ema_repeats: int = 1
+    """train.ema: apply each EMA update this many times. flow_grpo's train_sd3.py steps its EMA after every training
+    batch on the optimizer-step counter, so each update lands once per batch of an optimizer step (2 in
+    general_ocr_sd3); with ema_update_interval 8 it then averages over about 42 optimizer steps instead of 10."""
+    drop_zero_advantage: bool = False
+    """Flow-GRPO: leave samples whose advantage is exactly 0 out of the loss (flow_grpo's train_sd3.py; its Qwen-Image
+    trainer keeps them). The loss is then the mean over the kept samples of each optimizer step, so a zero-advantage
+    group adds no KL-only gradient. The replay still runs whole batches, so the on-policy ratio stays exactly 1."""
+    shuffle_batches: bool = False
+    """Flow-GRPO: train the rollout's batches in a seeded random order, (run.seed, rollout) (flow_grpo's train_sd3.py
+    shuffles its samples before batching). Whole batches move, so each replays its rollout forward bit for bit."""
     global_std: bool = True
     """Advantage std over the whole rollout (True, flow_grpo Qwen-Image) or per group."""
     advantage: str = "sum"

@@ -99,6 +99,10 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
             raise ValueError(f"sample.cps_log_prob must be 'flow_grpo' or 'gaussian', got {s.cps_log_prob!r}")
         if t.ema and not 0 <= t.ema_cap < 1:
             raise ValueError(f"train.ema_cap must be in [0, 1) (a decay of 1 never moves), got {t.ema_cap}")
+        for key in ("ema_update_interval", "ema_repeats"):
+            value = getattr(t, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{key} must be an int >= 1 (1: every optimizer step, once), got {value!r}")
         if t.ratio not in ("standard", "grpo_guard"):
             raise ValueError(f"train.ratio must be 'standard' or 'grpo_guard', got {t.ratio!r}")
         if t.ratio == "grpo_guard" and s.sde_type != "sde":
@@ -289,6 +293,10 @@ def validate_nft(cfg: Config) -> None:
             raise ValueError(f"{key} must be in [0, 1) (a decay of 1 never moves), got {value}")
     if n.adaptive_weight_min == 0:
         raise ValueError("nft.adaptive_weight_min must be > 0: it keeps the loss normaliser from dividing by zero")
+    for key in ("drop_zero_advantage", "shuffle_batches", "ema"):
+        if getattr(cfg.train, key):
+            raise ValueError(f"train.{key} is Flow-GRPO's (flow_grpo's train_sd3.py); DiffusionNFT keeps every sample "
+                             "in rollout order and has its own EMA (nft.ema_cap): remove it or set it false")
     if cfg.sample.same_initial_noise:
         raise ValueError("sample.same_initial_noise=true with train.algorithm=diffusion_nft: deterministic ODE "
                          "rollouts from one noise give a group of identical images (zero advantages); set it false")

@@ -1,14 +1,24 @@
 """Flow-GRPO policy update (github.com/yifan123/flow_grpo, scripts/train_qwenimage.py).
 
-Per rollout the rank's batches are split into `num_optimizer_steps` equal, consecutive chunks (no
-shuffling, zero-advantage samples trained too, as flow_grpo's Qwen trainer). For each batch and each
-window step j, one forward with grad replays the rollout's batch (same CFG), then
+Per rollout the rank's batches are split into `num_optimizer_steps` equal, consecutive chunks (by default in
+rollout order with zero-advantage samples trained too, as flow_grpo's Qwen trainer; train.shuffle_batches and
+train.drop_zero_advantage as its train_sd3.py, below). For each batch and each window step j, one forward with
+grad replays the rollout's batch (same CFG), then
 
   ratio   = exp(log_prob - old_log_prob)
   A       = clip(advantage, -adv_clip_max, adv_clip_max)
   policy  = mean_batch max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))
   kl      = mean_batch mean_elements (mean - mean_ref)^2 / (2 std_dev_t^2)   (beta > 0; reference = LoRA off)
   loss    = (policy + beta kl) / (batches_per_step x S)        -> the gradient of the mean over (sample, step)
+
+train.drop_zero_advantage (flow_grpo scripts/train_sd3.py lines 799-819 at 9745241): samples with advantage exactly 0
+leave the loss, which becomes sum over the step's kept (sample, step) pairs / (kept samples of the step x S), the
+mean over what flow_grpo keeps (its per-process mean; flow_grpo re-admits a few zero-advantage samples at random to
+make the count divisible by its batch count, which the mean does not need). The forwards still run whole batches, so
+the replay stays exact and every rank runs the same forwards (FSDP's collectives need that).
+train.shuffle_batches (lines 829-838 there): the batches are trained in a permutation seeded by (run.seed, rollout,
+rank). flow_grpo permutes samples before batching; imagerl moves whole batches, which keeps each batch's forward
+bit for bit the rollout's (a forward's rounding depends on its rows).
 
 Gradients are averaged over ranks (all-reduce, or FSDP's reduce-scatter), clipped to max_grad_norm by
 the global norm over all shards (flow_grpo clipped the local shard's norm), then AdamW steps.
@@ -129,15 +139,34 @@ def run_optimizer_steps(adapter, optimizer, world: World, params, batches: list,
     return grad_norms
 
 
+def training_order(batches: list[slice], seed: int, rollout_step: int, rank: int) -> list[slice]:
+    """train.shuffle_batches: the rollout's batches in a permutation seeded by (seed, rollout, rank)."""
+    from imagerl.distributed.rng import make_generator
+
+    perm = torch.randperm(len(batches), generator=make_generator(seed, "train_batch_order", rollout_step, rank))
+    return [batches[i] for i in perm.tolist()]
+
+
+def kept_per_step(advantages_B: torch.Tensor, batches: list[slice], num_optimizer_steps: int) -> list[int]:
+    """train.drop_zero_advantage: the samples with a nonzero advantage in each optimizer step's batches."""
+    per_step = len(batches) // num_optimizer_steps
+    nonzero = (advantages_B != 0).cpu()
+    return [sum(int(nonzero[b].sum()) for b in batches[k * per_step: (k + 1) * per_step])
+            for k in range(num_optimizer_steps)]
+
+
 def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, optimizer: torch.optim.Optimizer,
-                     cfg: Config, world: World, progress=None, after_step=None) -> TrainStats:
+                     cfg: Config, world: World, progress=None, after_step=None, rollout_step: int = 0) -> TrainStats:
     t = cfg.train
     params = adapter.trainable_parameters()
     batches = rollout.batches()
+    if t.shuffle_batches:
+        batches = training_order(batches, cfg.run.seed, rollout_step, world.rank)
     per_step = len(batches) // t.num_optimizer_steps
     num_steps_window = rollout.latents_BSNC.shape[1]
     micro = per_step * num_steps_window
     advantages_B = advantages_B.to(adapter.device, torch.float32)
+    kept = kept_per_step(advantages_B, batches, t.num_optimizer_steps) if t.drop_zero_advantage else None
     # loss, policy, kl, clipfrac, approx_kl, |ratio-1|, count, on-policy |diff|, on-policy count: summed on the
     # device, read once after the loop (no host sync per micro-step)
     sums = torch.zeros(9, dtype=torch.float64, device=adapter.device)
@@ -160,7 +189,12 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
                     ref = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
                 kl_B = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
             loss = policy_B.mean() + t.beta * kl_B.mean()
-            (loss / micro).backward()
+            if kept is None:
+                (loss / micro).backward()
+            else:  # the mean over the step's kept samples and the S window steps (module docstring)
+                keep_B = advantages_B[batch] != 0
+                (torch.where(keep_B, policy_B + t.beta * kl_B, 0.0).sum()
+                 / (max(kept[opt_step], 1) * num_steps_window)).backward()
             with torch.no_grad():
                 diff = (out.log_prob - old).double()
                 n = diff.numel()
@@ -214,18 +248,27 @@ class FlowGRPO:
 
     def update(self, adapter, rollout: Rollout, advantages_B, optimizer, world: World, step: int,
                progress=None) -> TrainStats:
-        after_step, decays = None, []
+        after_step, decays, t = None, [], self.cfg.train
         if self.ema is not None:
             from imagerl.algorithms.diffusion_nft import ema_decay
 
             done = int(self.optimizer_steps)
 
             def after_step(opt_step: int) -> None:
-                decays.append(ema_decay(done + opt_step + 1, self.cfg.train.ema_cap))
-                self.ema.blend_toward_policy("ema", decays[-1])
+                # flow_grpo's EMAModuleWrapper.step(parameters, k) with k the optimizer steps done: an update when
+                # (k + 1) % update_step_interval == 0, decay min((1 + k) / (10 + k), cap); train_sd3.py calls it after
+                # every training batch, so each update lands once per batch of the optimizer step (ema_repeats).
+                # Its repeats after the first fall on the next step's batches, before that step's optimizer step, where
+                # the weights are the same: applying them here is the same arithmetic, and no evaluation comes between
+                # unless a rollout ends on such a k (never with flow_grpo's 2 steps per rollout: k is then even)
+                k = done + opt_step + 1
+                if (k + 1) % t.ema_update_interval == 0:
+                    decays.append(ema_decay(k, t.ema_cap))
+                    for _ in range(t.ema_repeats):
+                        self.ema.blend_toward_policy("ema", decays[-1])
 
         stats = flow_grpo_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, progress=progress,
-                                 after_step=after_step)
+                                 after_step=after_step, rollout_step=step)
         self.optimizer_steps += self.cfg.train.num_optimizer_steps
         if decays:
             stats.ema_decay = decays[-1]
