@@ -89,6 +89,7 @@ OPTIONS = {
     "sd3_order": ["train.drop_zero_advantage=true", "train.shuffle_batches=true", "train.ema=true",
                   "train.ema_update_interval=2", "train.ema_repeats=2", "sample.prompts_per_rollout=4"],
     "flash": ["sample.off_window_solver=dpm2", "sample.post_window_steps=2"],
+    "mixgrpo_flash": ["sample.off_window_solver=dpm2_post", "sample.post_window_ratio=0.4"],
     "nft_shuffle": ["train.algorithm=diffusion_nft", "nft.solver=euler", "sample.group_size=4",
                     "sample.batch_size=2", "nft.old_decay_rate=0.3"],
 }
@@ -155,7 +156,7 @@ def test_flow_grpo_ema_is_what_evaluation_and_exports_use(tiny_checkpoint, tmp_p
 
 @pytest.mark.parametrize("post_window_steps,expected", [
     (None, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), (5, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
-    (2, [0, 1, 2, 3, 4, 5, 7, 10]),  # MixGRPO-Flash's ratio 0.4: 5 steps after the window -> 2
+    (2, [0, 1, 2, 3, 4, 5, 7, 10]),
     (1, [0, 1, 2, 3, 4, 5, 10]), (9, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),  # never more than the schedule's
 ])
 def test_post_window_grid_keeps_the_window_and_ends_at_the_terminal_sigma(post_window_steps, expected):
@@ -163,7 +164,41 @@ def test_post_window_grid_keeps_the_window_and_ends_at_the_terminal_sigma(post_w
     assert step_grid(10, SDEWindow(0, 2), 3) == [0, 1, 2, 5, 7, 10]
 
 
-def test_mixgrpo_flash_solves_the_ode_steps_with_dpm2_on_the_compressed_grid(tiny_checkpoint, tmp_path):
+def _mixgrpo_post_steps(num_steps: int, determistic: list[bool], ratio: float) -> int:
+    """MixGRPO fastvideo/utils/sampling_utils.py lines 33-50 at 2684bb9 (zqqqqz2000/MixGRPO), the post strategy: the
+    points of the rebuilt schedule after the last SDE step, minus the first (the window's own end point)."""
+    sigma_schedule_size = num_steps + 1
+    last_false_index = next((i for i, value in enumerate(reversed(determistic)) if not value), None)
+    last_false_index = len(determistic) - 1 - last_false_index
+    num_post_steps = int(max((sigma_schedule_size - 1 - last_false_index) * ratio, 1))
+    return len(torch.linspace(0.5, 0, num_post_steps)) - 1
+
+
+@pytest.mark.parametrize("num_steps, start, size, ratio", [
+    (10, 3, 2, 0.4), (25, 0, 4, 0.4), (25, 8, 4, 0.4), (16, 2, 4, 0.2), (25, 10, 4, 0.2), (10, 0, 1, 1.0)])
+def test_post_window_ratio_counts_steps_as_mixgrpo(num_steps, start, size, ratio):
+    from imagerl.sampling.window import post_window_count
+
+    determistic = [not (start <= i < start + size) for i in range(num_steps)]
+    expected = max(1, _mixgrpo_post_steps(num_steps, determistic, ratio))  # imagerl: at least one step
+    window = SDEWindow(start, size)
+    assert post_window_count(num_steps, window, None, ratio) == expected
+    grid = step_grid(num_steps, window, None, ratio)
+    assert grid[: start + size + 1] == list(range(start + size + 1)) and grid[-1] == num_steps
+    assert len(grid) - 1 - (start + size) == expected
+    assert _mixgrpo_post_steps(10, [i not in (3, 4) for i in range(10)], 0.4) == 1  # 5 steps after {3, 4} -> 1
+
+
+def test_dpm2_post_is_euler_before_the_window_and_dpm2_after():
+    from imagerl.sampling.window import off_window_solver
+
+    window = SDEWindow(3, 2)
+    assert [off_window_solver("dpm2_post", i, window) for i in (0, 1, 2, 5, 6)] == ["euler"] * 3 + ["dpm2"] * 2
+    assert {off_window_solver("dpm2", i, window) for i in (0, 6)} == {"dpm2"}
+
+
+@pytest.mark.parametrize("solver", ["dpm2", "dpm2_post"])
+def test_mixgrpo_flash_solves_the_ode_steps_with_dpm2_on_the_compressed_grid(tiny_checkpoint, tmp_path, solver):
     """The rollout's off-window steps are DPM-Solver++(2M) (ode_step) on step_grid's points: replayed here from the
     initial noise to the window's first input, and from the window's last output to the decoded images."""
     from imagerl.components import load_adapter, resolve_family_defaults
@@ -172,7 +207,7 @@ def test_mixgrpo_flash_solves_the_ode_steps_with_dpm2_on_the_compressed_grid(tin
     from imagerl.rollout import generate
     from imagerl.sampling.ode import ODESolverState, ode_step
 
-    cfg = tiny_config(tiny_checkpoint, tmp_path, "sample.off_window_solver=dpm2", "sample.post_window_steps=2")
+    cfg = tiny_config(tiny_checkpoint, tmp_path, f"sample.off_window_solver={solver}", "sample.post_window_steps=2")
     s = cfg.sample
     adapter = load_adapter(cfg, World(0, 1, resolve_device("cpu")))
     resolve_family_defaults(cfg, adapter)
@@ -195,9 +230,23 @@ def test_mixgrpo_flash_solves_the_ode_steps_with_dpm2_on_the_compressed_grid(tin
                 return x
 
             pre = range(window.start)
-            assert torch.equal(solve("dpm2", noise[batch], pre), rollout.latents_BSNC[batch, 0])
-            assert not torch.equal(solve("euler", noise[batch], pre), rollout.latents_BSNC[batch, 0])
+            before, other = ("dpm2", "euler") if solver == "dpm2" else ("euler", "dpm2")
+            assert torch.equal(solve(before, noise[batch], pre), rollout.latents_BSNC[batch, 0])
+            assert not torch.equal(solve(other, noise[batch], pre), rollout.latents_BSNC[batch, 0])
             post = range(window.start + window.size, len(grid) - 1)
             assert len(post) == 2
             x0 = solve("dpm2", rollout.next_latents_BSNC[batch, -1], post)
             assert torch.equal(adapter.decode(x0, s.height, s.width).cpu(), rollout.images_B3HW[batch])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sample.post_window_ratio=0"], "sample.post_window_ratio must be null or in"),
+    (["sample.post_window_ratio=1.5"], "sample.post_window_ratio must be null or in"),
+    (["sample.post_window_ratio=0.4", "sample.post_window_steps=2"], "keep one"),
+    (["sample.off_window_solver=dpm3"], "dpm2_post"),
+])
+def test_bad_post_window_settings_are_refused(tiny_checkpoint, tmp_path, overrides, message):
+    from imagerl.validation import validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(tiny_config(tiny_checkpoint, tmp_path, *overrides))

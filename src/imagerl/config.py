@@ -136,13 +136,18 @@ class SampleConfig:
     sde_window_direction: str = "forward"
     """"forward": toward the clean end of sampling (MixGRPO's order), "backward": toward the noisy end."""
     off_window_solver: str = "euler"
-    """The ODE steps outside the SDE window: "euler" (flow_grpo's, the family pipeline's) or "dpm2", DPM-Solver++(2M)
-    (MixGRPO-Flash, arXiv 2507.21802; sampling/ode.py), restarting at first order after the window. These steps are
-    never replayed, so the replay stays exact either way."""
+    """The ODE steps outside the SDE window: "euler" (flow_grpo's, the family pipeline's), "dpm2", DPM-Solver++(2M) on
+    both sides (sampling/ode.py), or "dpm2_post", Euler before the window and DPM-Solver++(2M) after it (MixGRPO-Flash,
+    arXiv 2507.21802: its scripts' --dpm_apply_strategy post). DPM-Solver restarts at first order after the window.
+    These steps are never replayed, so the replay stays exact either way."""
     post_window_steps: typing.Optional[int] = None
     """Steps after the SDE window: null keeps the schedule's; n compresses them to n steps over a subset of the
-    schedule's own sigmas, evenly spaced by index, ending at 0 (MixGRPO-Flash's dpm_post_compress_ratio 0.4: 5
-    steps -> 2). Fewer forwards per rollout; pair it with off_window_solver=dpm2, which loses less per step."""
+    schedule's own sigmas, evenly spaced by index, ending at 0. Fewer forwards per rollout; pair it with a DPM-Solver
+    off_window_solver, which loses less per step."""
+    post_window_ratio: typing.Optional[float] = None
+    """MixGRPO-Flash's --dpm_post_compress_ratio (0.4 in its Flash script): the steps after the window as MixGRPO
+    counts them, int(max((num_steps - last window step) x ratio, 1)) - 1, at least 1 (10 steps, window {3, 4}: 1
+    step). Instead of post_window_steps; sampling/window.py."""
     prompts_per_rollout: int = 32
     """Unique prompts per rollout, over all ranks (flow_grpo: 32)."""
     group_size: int = 16

@@ -21,7 +21,7 @@ from imagerl.data import PromptGroups
 from imagerl.distributed.rng import make_generator
 from imagerl.families.layers.merged_lora import MergedLora
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
-from imagerl.sampling.window import step_grid
+from imagerl.sampling.window import off_window_solver, step_grid
 from imagerl.sampling.ode import ODESolverState, ode_step
 from imagerl.validation import training_batch_size
 
@@ -164,7 +164,7 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     off_window = (MergedLora(adapter.transformer, s.off_window_fp8, adapter.token_linears).applied if s.merge_lora
                   else contextlib.nullcontext)
     # sample.post_window_steps: the steps after the window may visit fewer of the schedule's points (MixGRPO-Flash)
-    grid = step_grid(s.num_steps, window, s.post_window_steps)
+    grid = step_grid(s.num_steps, window, s.post_window_steps, s.post_window_ratio)
     grid_sigmas, grid_timesteps = sigmas[grid], timesteps[grid[:-1]]
     traj_in, traj_out, log_probs, images, means = [], [], [], [], []
     keep_means = cfg.train.ratio == "grpo_guard"  # its ratio compares the policy's step mean with the rollout's
@@ -203,7 +203,7 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
                 else:
                     with off_window():
                         v = adapter.velocity(x, grid_timesteps[i].expand(n), cond, h, w).detach()
-                    x = ode_step(s.off_window_solver, x, v, grid_sigmas, i, ode_state)
+                    x = ode_step(off_window_solver(s.off_window_solver, i, window), x, v, grid_sigmas, i, ode_state)
         traj_in.append(staged(torch.stack(ins, 1)))
         traj_out.append(staged(torch.stack(outs, 1)))
         log_probs.append(staged(torch.stack(lps, 1)))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagerl.config import Config
-from imagerl.sampling.ode import ODE_SOLVERS
+from imagerl.sampling.window import OFF_WINDOW_SOLVERS
 from imagerl.sampling.window import validate_window
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
@@ -115,9 +115,16 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
         if s.sde_window_schedule not in ("fixed", "sliding"):
             raise ValueError(f"sample.sde_window_schedule must be 'fixed' or 'sliding', got {s.sde_window_schedule!r}")
-        if s.off_window_solver not in ODE_SOLVERS:
-            raise ValueError(f"sample.off_window_solver must be one of {', '.join(ODE_SOLVERS)}, got "
+        if s.off_window_solver not in OFF_WINDOW_SOLVERS:
+            raise ValueError(f"sample.off_window_solver must be one of {', '.join(OFF_WINDOW_SOLVERS)}, got "
                              f"{s.off_window_solver!r}")
+        if s.post_window_ratio is not None:
+            if isinstance(s.post_window_ratio, bool) or not 0 < s.post_window_ratio <= 1:
+                raise ValueError(f"sample.post_window_ratio must be null or in (0, 1] (MixGRPO-Flash: 0.4), got "
+                                 f"{s.post_window_ratio!r}")
+            if s.post_window_steps is not None:
+                raise ValueError("sample.post_window_steps and sample.post_window_ratio both set: keep one (a fixed "
+                                 "count, or MixGRPO's compress ratio)")
         if s.post_window_steps is not None and (isinstance(s.post_window_steps, bool) or s.post_window_steps < 1):
             raise ValueError(f"sample.post_window_steps must be null (the schedule's steps) or an int >= 1, got "
                              f"{s.post_window_steps!r}")

@@ -16,9 +16,16 @@ steps every `period` rollouts, `forward` (toward the clean end) or `backward`, w
 it begins at sde_window_start (or lo when that is "random"). The steps outside the window stay ODE steps that are
 never replayed, so the replay stays exact.
 
-`sample.post_window_steps` (MixGRPO-Flash's `dpm_post_compress_ratio`) runs the steps after the window over fewer
-points: a subset of the schedule's own sigmas, evenly spaced by index (`step_grid`). MixGRPO re-grids linearly in
-unshifted time and applies FLUX's shift; a subset keeps each family's own shifted spacing without inverting it.
+`sample.post_window_ratio` (MixGRPO-Flash's `--dpm_post_compress_ratio`, MixGRPO fastvideo/utils/sampling_utils.py
+lines 33-50 at 2684bb9) or `sample.post_window_steps` (a fixed count) runs the steps after the window over fewer
+points: a subset of the schedule's own sigmas, evenly spaced by index (`step_grid`). MixGRPO builds
+num_post = int(max((N - last) * ratio, 1)) points from the sigma after the window's last step `last` to 0, i.e.
+num_post - 1 steps (ratio 0.4, N = 10, window {3, 4}: int(6 x 0.4) = 2 points, 1 step); imagerl takes the same count
+but at least one step (MixGRPO's trajectory would stop short of sigma 0 at num_post = 1). MixGRPO re-grids linearly
+in unshifted time and applies FLUX's shift; a subset keeps each family's own shifted spacing without inverting it.
+
+`sample.off_window_solver` (OFF_WINDOW_SOLVERS): "euler", "dpm2" (DPM-Solver++(2M) on both sides of the window), or
+"dpm2_post", MixGRPO's `--dpm_apply_strategy post` (its Flash scripts): Euler before the window, DPM-Solver++ after.
 """
 
 from __future__ import annotations
@@ -94,12 +101,36 @@ def sde_window(num_sde_steps: int, window_range: tuple[int, int], start, *, seed
     return SDEWindow(int(start), num_sde_steps)
 
 
-def step_grid(num_steps: int, window: SDEWindow, post_window_steps: int | None) -> list[int]:
+OFF_WINDOW_SOLVERS = ("euler", "dpm2", "dpm2_post")
+
+
+def off_window_solver(name: str, step: int, window: SDEWindow) -> str:
+    """The ODE solver of off-window step `step` (module docstring): dpm2_post is Euler before the window."""
+    if name == "dpm2_post":
+        return "euler" if step < window.start else "dpm2"
+    return name
+
+
+def post_window_count(num_steps: int, window: SDEWindow, post_window_steps: int | None,
+                      post_window_ratio: float | None = None) -> int:
+    """Steps after the window: the schedule's (None), a fixed count, or MixGRPO's compress ratio (module docstring);
+    never more than the schedule's own."""
+    remaining = num_steps - (window.start + window.size)
+    if post_window_ratio is not None:
+        last = window.start + window.size - 1  # MixGRPO's last_false_index
+        n = int(max((num_steps - last) * post_window_ratio, 1)) - 1
+    else:
+        n = remaining if post_window_steps is None else int(post_window_steps)
+    return max(1, min(n, remaining)) if remaining else 0
+
+
+def step_grid(num_steps: int, window: SDEWindow, post_window_steps: int | None,
+              post_window_ratio: float | None = None) -> list[int]:
     """Indices into the schedule's num_steps + 1 sigmas that one trajectory visits: every point up to the window's
-    end (so the window's steps are the schedule's), then `post_window_steps` steps to the terminal sigma, on points
-    evenly spaced by index (at most the schedule's own steps; None: all of them)."""
+    end (so the window's steps are the schedule's), then post_window_count steps to the terminal sigma, on points
+    evenly spaced by index."""
     end = window.start + window.size
     remaining = num_steps - end
-    n = remaining if post_window_steps is None else min(int(post_window_steps), remaining)
+    n = post_window_count(num_steps, window, post_window_steps, post_window_ratio)
     post = [end + round(k * remaining / n) for k in range(1, n + 1)]
     return [*range(end + 1), *post]
