@@ -64,3 +64,15 @@ def test_backends_disabled_before_stay_disabled():
         torch.backends.cuda.enable_flash_sdp(flash)
         torch.backends.cuda.enable_mem_efficient_sdp(efficient)
 
+
+
+def test_grad_only_leaves_no_grad_forwards_their_backends():
+    """flux: only forwards under grad (a backward may follow) run without cuDNN; a no-grad forward keeps the
+    process's backends."""
+    block = Attention()
+    exclude_cudnn_attention([block], grad_only=True)
+    q = torch.randn(1, 2, 5, 8)
+    block(q)
+    with torch.no_grad():
+        block(q)
+    assert block.seen == [(False, True), (torch.backends.cuda.cudnn_sdp_enabled(), True)]

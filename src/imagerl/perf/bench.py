@@ -466,7 +466,7 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
         bench = Bench(family, device, dry, Path(tmp), warmup, iterations, blocks=blocks)
         echo(f"built {family} (random weights) in {bench.build_s:.1f} s")
         for overrides in profiles:
-            text = profile_step(bench, overrides)
+            text = profile_step(bench, overrides, ceiling=None if dry else ceiling)
             echo(text)
             profile_text.append(text)
             if out is not None:

@@ -90,10 +90,11 @@ class FluxFamily(PackedLatentFamily):
         if self.device.type == "cuda":
             # cuDNN attention's backward at FLUX.1-dev's shapes (24 heads x 128, 1024 image + 512 text tokens) gave
             # NaN LoRA gradients, then an illegal memory access, on an H100 with torch 2.11, eager and compiled alike
-            # (benchmarks/RESULTS.md runs AS-AU); every block attends with the other SDPA kernels
+            # (benchmarks/RESULTS.md runs AS-AU); every block's forward under grad (a backward may follow) attends
+            # with the other SDPA kernels, a forward under no grad (merged off-window steps, evaluation) with cuDNN's
             from imagerl.families.layers.attention_backends import exclude_cudnn_attention
 
-            exclude_cudnn_attention(self.transformer_blocks())
+            exclude_cudnn_attention(self.transformer_blocks(), grad_only=True)
 
     @classmethod
     def from_pretrained(cls, path, device, dtype, prompt_cache_size: int = 4096):

@@ -31,9 +31,12 @@ def backends_without_cudnn() -> list[SDPBackend]:
     return [backend for backend, enabled in _ENABLED.items() if enabled()] or [SDPBackend.MATH]
 
 
-def exclude_cudnn_attention(blocks: list[torch.nn.Module]) -> list[SDPBackend]:
+def exclude_cudnn_attention(blocks: list[torch.nn.Module], grad_only: bool = False) -> list[SDPBackend]:
     """Run each block's forward under sdpa_kernel(backends_without_cudnn()); once per block. Returns the
-    backends used."""
+    backends used. grad_only: only the forwards that run with grad enabled (whose backward may follow); a forward
+    under no grad (a merged off-window rollout step, evaluation) keeps the process's backends, cuDNN's included:
+    only cuDNN's backward faulted (flux, RESULTS.md runs AS-AU). Dynamo guards on the grad mode, so a compiled
+    block holds one graph of each."""
     backends = backends_without_cudnn()
     for block in blocks:
         if getattr(block, "_imagerl_sdpa_backends", None) is not None:
@@ -42,6 +45,8 @@ def exclude_cudnn_attention(blocks: list[torch.nn.Module]) -> list[SDPBackend]:
 
         @functools.wraps(forward)
         def forward_without_cudnn(*args, _forward=forward, **kwargs):
+            if grad_only and not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
             with sdpa_kernel(backends):
                 return _forward(*args, **kwargs)
 
