@@ -200,8 +200,6 @@ class FluxFamily(PackedLatentFamily):
     def velocity(self, latents_BNC, timesteps_B, cond: Conditioning, height: int, width: int) -> torch.Tensor:
         """The velocity (float32, B x N x 64) at scheduler timesteps t, as FluxPipeline's denoising loop calls the
         transformer: timestep t / 1000, guidance = guidance_scale per row (guidance_embeds) or None."""
-        from diffusers import FluxPipeline
-
         assert not cond.cfg, "flux conditioning has no uncond rows"
         h, w = self.latent_grid(height, width)
         b = latents_BNC.shape[0]
@@ -211,12 +209,22 @@ class FluxFamily(PackedLatentFamily):
         seq, pooled = cond.embeds_BLD[:, :-1], cond.embeds_BLD[:, -1, : self.pooled_width]
         # the pipeline's ids: txt zeros in the text encoder's dtype, img rows in the prompt embeddings' dtype
         txt_ids = torch.zeros(seq.shape[1], 3, device=self.device, dtype=self.dtype)
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        img_ids = self._image_ids(h // 2, w // 2)
         with self.autocast():
             pred = self.transformer(hidden_states=latents_BNC.to(self.dtype), timestep=t, guidance=guidance,
                                     pooled_projections=pooled, encoder_hidden_states=seq, txt_ids=txt_ids,
                                     img_ids=img_ids, return_dict=False)[0]
         return pred.float()
+
+    def _image_ids(self, h: int, w: int) -> torch.Tensor:
+        """FluxPipeline._prepare_latent_image_ids of an h x w packed grid, built once per grid: the pipeline builds
+        them on the CPU and copies them in, a blocking copy (a host sync) in every forward."""
+        from diffusers import FluxPipeline
+
+        cache = self.__dict__.setdefault("_image_ids_cache", {})
+        if (h, w) not in cache:
+            cache[h, w] = FluxPipeline._prepare_latent_image_ids(1, h, w, self.device, self.dtype)
+        return cache[h, w]
 
     @torch.no_grad()
     def encode_images(self, images_B3HW: torch.Tensor) -> torch.Tensor:
