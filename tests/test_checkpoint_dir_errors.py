@@ -192,12 +192,23 @@ def no_model_load(monkeypatch):
 
 
 def run_cli(argv, capsys):
-    start = time.perf_counter()
+    """main(argv), its exit code and output. That the errors come before any model load is what no_model_load
+    asserts; their wall-clock time is test_cli_errors_come_back_within_5_seconds's (perf marker)."""
     code = main(argv)
-    elapsed = time.perf_counter() - start
     out, err = capsys.readouterr()
-    assert elapsed < 5, f"{argv} took {elapsed:.1f} s"
     return code, out, err
+
+
+@pytest.mark.perf  # an absolute wall-clock bound: python -m pytest -m perf
+@pytest.mark.parametrize("argv", [["train", "train.lr=abc"], ["train", "sample.group_sise=4"],
+                                  ["train", "--recipe", "nope"], ["train", "data.train_prompts=/nonexistent.txt"],
+                                  ["recipes"]])
+def test_cli_errors_come_back_within_5_seconds(tmp_path, capsys, no_model_load, argv):
+    start = time.perf_counter()
+    main([*argv, "--output-dir", str(tmp_path / "run")] if argv[0] == "train" else argv)
+    elapsed = time.perf_counter() - start
+    capsys.readouterr()
+    assert elapsed < 5, f"{argv} took {elapsed:.1f} s"
 
 
 def test_cli_missing_prompt_file(tmp_path, capsys, no_model_load):

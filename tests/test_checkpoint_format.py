@@ -100,14 +100,16 @@ def test_convert_checkpoint_rewrites_format_1_exactly_and_the_run_resumes(nft_ru
                        read_trainer_state(nft_run / "checkpoints" / "step_000002" / "trainer"))
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("part", ["extra/nft/old/", "extra/nft/ema/", "/exp_avg/"])
-def test_non_finite_algorithm_and_optimizer_state_is_refused_at_load(nft_run, tmp_path, tiny_checkpoint, part):
+def test_non_finite_algorithm_and_optimizer_state_is_refused_at_load(nft_run, tmp_path, tiny_checkpoint, part, value):
     from test_checkpoint_safety import _poison
 
     from imagerl.checkpoint_tensors import NonFiniteStateError
 
     run_dir = _copy(nft_run, tmp_path)
-    key = _poison(run_dir / "checkpoints" / "step_000002", part.rstrip("/") if part.endswith("/exp_avg/") else part)
+    key = _poison(run_dir / "checkpoints" / "step_000002", part.rstrip("/") if part.endswith("/exp_avg/") else part,
+                  value)
     with pytest.raises(NonFiniteStateError, match=rf"step_000002: {key} is not finite"):
         train(tiny_config(tiny_checkpoint, run_dir, *COMMON, *NFT, "train.num_rollouts=3"), resume="latest")
 

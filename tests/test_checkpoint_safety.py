@@ -94,31 +94,38 @@ def test_a_bit_flipped_checkpoint_is_refused(run, tmp_path, tiny_checkpoint):
         train(tiny_config(tiny_checkpoint, run_dir, *COMMON, "train.num_rollouts=3"), resume="latest")
 
 
-def _poison(ckpt, key_part):
-    """NaN into the first saved tensor whose key contains key_part, checksums rewritten (a consistent checkpoint)."""
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]  # each one alone must be refused (an isnan check lets inf by)
+
+
+def _poison(ckpt, key_part, value=float("nan")):
+    """`value` (NaN, inf or -inf) into the first saved tensor whose key contains key_part, checksums rewritten (a
+    consistent checkpoint)."""
     from safetensors.torch import load_file, save_file
 
     file = ckpt / "trainer" / "tensors.safetensors"
     tensors = load_file(file)
     key = next(k for k in sorted(tensors) if key_part in k)
-    tensors[key].view(-1)[0] = float("nan")
+    tensors[key].view(-1)[0] = value
+    assert not torch.isfinite(tensors[key]).all() and torch.isfinite(tensors[key].view(-1)[1:]).all()
     save_file(tensors, file)
     _rewrite_checksums(ckpt)
     return key
 
 
-@pytest.mark.parametrize("part", ["model/", "/exp_avg_sq"])
-def test_non_finite_state_in_a_consistent_checkpoint_is_refused_by_name(run, tmp_path, tiny_checkpoint, part):
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("part", ["model/", "/exp_avg_sq"])  # the LoRA, AdamW's second moment
+def test_non_finite_state_in_a_consistent_checkpoint_is_refused_by_name(run, tmp_path, tiny_checkpoint, part, value):
     from imagerl.checkpoint_tensors import NonFiniteStateError
 
     run_dir = _copy(run, tmp_path)
     ckpt = run_dir / "checkpoints" / "step_000002"
-    key = _poison(ckpt, part)
+    key = _poison(ckpt, part, value)
     with pytest.raises(NonFiniteStateError, match=rf"step_000002: {key} is not finite.*earlier checkpoint"):
         train(tiny_config(tiny_checkpoint, run_dir, *COMMON, "train.num_rollouts=3"), resume="latest")
 
 
-def test_no_checkpoint_is_written_with_a_non_finite_tensor(run, tmp_path, tiny_checkpoint):
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+def test_no_checkpoint_is_written_with_a_non_finite_tensor(run, tmp_path, tiny_checkpoint, value):
     from imagerl.checkpoint import save_checkpoint
     from imagerl.checkpoint_tensors import NonFiniteStateError
     from imagerl.components import load_adapter, make_optimizer
@@ -131,7 +138,7 @@ def test_no_checkpoint_is_written_with_a_non_finite_tensor(run, tmp_path, tiny_c
     param = adapter.trainable_parameters()[0]
     param.grad = torch.ones_like(param)
     optimizer.step()
-    optimizer.state[param]["exp_avg"][0] = float("nan")  # what a NaN moment from a bad update would be
+    optimizer.state[param]["exp_avg"][0] = value  # what a non-finite moment from a bad update would be
     with pytest.raises(NonFiniteStateError, match=r"not writing checkpoint step_000003: optim/state/.*/exp_avg is not "
                                                    r"finite.*step_000002, is intact"):
         save_checkpoint(run_dir, 3, adapter, optimizer, cfg.to_dict(), 3)

@@ -7,9 +7,9 @@ import re
 import socket
 
 import pytest
-import torch.multiprocessing as mp
 
 from conftest import tiny_config
+from spawn_ranks import spawn_and_join
 from imagerl.config import available_recipes, load_config
 from imagerl.console import RankPrefixed, format_duration
 from imagerl.validation import validate
@@ -83,11 +83,11 @@ def _cli_rank(rank: int, port: int, run_dir, logs, cache) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_two_process_train_prints_progress_and_summary_on_rank_0_only(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    mp.start_processes(_cli_rank, args=(_free_port(), tmp_path / "run", logs, os.environ["IMAGERL_CACHE"]), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn_and_join(_cli_rank, (_free_port(), tmp_path / "run", logs, os.environ["IMAGERL_CACHE"]), 2, timeout_s=600)
     out0, err0 = (logs / "out0.txt").read_text(), (logs / "err0.txt").read_text()
     out1, err1 = (logs / "out1.txt").read_text(), (logs / "err1.txt").read_text()
     assert "[rollout 1]" in out0 and "done: " in out0 and "held-out evaluation" in out0

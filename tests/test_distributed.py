@@ -18,9 +18,9 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from conftest import tiny_config
+from spawn_ranks import spawn_and_join
 from imagerl.rewards.registry import REWARDS, register_reward
 
 
@@ -76,8 +76,8 @@ def _rank_main(rank: int, world_size: int, port: int, checkpoint, run_dir, cache
 def _run(world_size: int, checkpoint, run_dir, *overrides, resume=None, no_pickles=False):
     """Every run in fresh processes with one thread each (the kernels' summation order depends on the thread
     count), a single process included."""
-    mp.start_processes(_rank_main, args=(world_size, _free_port(), checkpoint, run_dir, os.environ["IMAGERL_CACHE"],
-                                         list(overrides), resume, no_pickles), nprocs=world_size, join=True, start_method="spawn")
+    spawn_and_join(_rank_main, (world_size, _free_port(), checkpoint, run_dir, os.environ["IMAGERL_CACHE"],
+                                list(overrides), resume, no_pickles), world_size, timeout_s=600)
 
 
 def _records(run_dir):
@@ -111,6 +111,7 @@ def _assert_same_records(r1, r2, exact_first: bool = True):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_one_two_and_four_ranks_agree_and_resume_across_world_sizes(tiny_checkpoint, tmp_path):
     runs = {n: tmp_path / f"w{n}" for n in (1, 2, 4)}
     _run(1, tiny_checkpoint, runs[1])
@@ -142,6 +143,7 @@ def test_one_two_and_four_ranks_agree_and_resume_across_world_sizes(tiny_checkpo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_diffusion_nft_on_two_ranks_equals_one_process(tiny_checkpoint, tmp_path):
     """DiffusionNFT under FSDP2: the old-policy and EMA states are sharded like the LoRA and swapped in per rank;
     2 ranks give one process's rewards, losses and exported (EMA) LoRA, and resume its checkpoint on 1 rank and on
@@ -165,6 +167,7 @@ def test_diffusion_nft_on_two_ranks_equals_one_process(tiny_checkpoint, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_diffusion_nft_shuffled_over_two_optimizer_steps_is_the_same_on_two_ranks(tiny_checkpoint, tmp_path):
     """nft.shuffle (two optimizer steps a rollout): each step trains the same samples on 1 and on 2 ranks, so the
     losses and the LoRA agree as without the shuffle."""
@@ -195,7 +198,8 @@ def _exit_rank_main(rank: int, world_size: int, port: int, out) -> None:
     assert world.size == world_size and total.item() == 0.5
 
 
+@pytest.mark.timeout(180)
 def test_a_group_that_init_world_created_is_destroyed_at_exit(tmp_path):
     # a group left to the interpreter's teardown can abort a gloo rank (pytorch/pytorch#190489)
-    mp.start_processes(_exit_rank_main, args=(2, _free_port(), tmp_path), nprocs=2, join=True, start_method="spawn")
+    spawn_and_join(_exit_rank_main, (2, _free_port(), tmp_path), 2, timeout_s=120)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["False", "False"]

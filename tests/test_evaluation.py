@@ -6,13 +6,14 @@ import os
 import socket
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from PIL import Image
 
 from conftest import tiny_config
+from spawn_ranks import spawn_and_join
 from imagerl.cli import main
 from imagerl.data import (PromptSet, bundled_prompt_file, load_prompt_set, load_train_test, rank_block,
                           split_prompt_set)
@@ -23,8 +24,12 @@ from imagerl.metrics import MetricsLogger, save_image_grid, wrap_text
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.jpeg import jpeg_sizes_kb
 
-OCR = "/work/shared/datasets/ocr/prompts.txt"
-GENEVAL = "/work/shared/datasets/geneval/test_metadata.jsonl"
+# Slices of flow_grpo's prompt sets shipped in tests/data (README.md there): every 10th line of its OCR prompts (102 of
+# 1018) and every record of the first 40 distinct GenEval prompts (160 of 2212, each prompt 4 times), as they are
+# in ../shared/datasets, so that these tests run on a clean clone
+DATA = Path(__file__).parent / "data"
+OCR = str(DATA / "ocr_prompts_slice.txt")
+GENEVAL = str(DATA / "geneval_test_metadata_slice.jsonl")
 PROMPTS = PromptSet(['a mug that says "GOOD MORNING"', "a red bicycle", 'a neon sign reading "OPEN 24 HOURS" in the rain',
                      "a cat", 'a chalkboard menu with "SOUP OF THE DAY" written on it, in a cozy cafe'],
                     [{} for _ in range(5)])
@@ -44,23 +49,23 @@ def test_split_is_deterministic_disjoint_complete_and_pinned():
     train, test = split_prompt_set(full, 0.1, seed=0)
     again_train, again_test = split_prompt_set(load_prompt_set(OCR), 0.1, seed=0)
     assert (train.prompts, test.prompts) == (again_train.prompts, again_test.prompts)
-    assert len(test) == 102 and len(train) == 916
+    assert len(test) == 10 and len(train) == 92
     assert not set(train.prompts) & set(test.prompts)
     assert sorted(train.prompts + test.prompts) == sorted(full.prompts)
     # both sides keep the file order, and the split is pinned: a change of the algorithm changes every
     # "split" run's held-out set, so it must be deliberate
-    assert [full.prompts.index(p) for p in test.prompts[:5]] == [0, 5, 16, 23, 26]
+    assert [full.prompts.index(p) for p in test.prompts[:5]] == [0, 3, 11, 44, 55]  # (on the 102-prompt slice)
     assert test.prompts == [p for p in full.prompts if p in set(test.prompts)]
     other = split_prompt_set(full, 0.1, seed=1)[1]
     assert set(other.prompts) != set(test.prompts)
 
 
 def test_split_keeps_repeated_prompts_on_one_side():
-    geneval = load_prompt_set(GENEVAL)  # 553 distinct prompts, most repeated 4 times with their metadata
+    geneval = load_prompt_set(GENEVAL)  # 40 distinct prompts, each repeated 4 times with its metadata
     train, test = split_prompt_set(geneval, 0.1, seed=0)
-    assert len(train) + len(test) == len(geneval) == 2212
+    assert len(train) + len(test) == len(geneval) == 160
     assert not set(train.prompts) & set(test.prompts)
-    assert len(set(test.prompts)) == round(553 * 0.1)
+    assert len(set(test.prompts)) == round(40 * 0.1) and len(test) == 4 * 4
     assert all(m["prompt"] == p for p, m in zip(test.prompts, test.metadata))  # metadata travels with its prompt
 
 
@@ -77,10 +82,10 @@ def test_split_sizes(n, fraction, n_test):
 
 def test_shared_prompt_files_load_as_they_are():
     ocr = load_prompt_set(OCR)
-    assert len(ocr) == 1018 and ocr.metadata == [{}] * 1018  # README: 1018 lines, the last without a newline
-    assert ocr.prompts[1].startswith("A close-up of a sleek smartwatch") and '"Step Goal Achieved"' in ocr.prompts[1]
+    assert len(ocr) == 102 and ocr.metadata == [{}] * 102  # 102 lines, the last without a newline (as the full file)
+    assert ocr.prompts[1].startswith("A high-altitude mountain summit") and '"Elevation' in ocr.prompts[1]
     geneval = load_prompt_set(GENEVAL)
-    assert len(geneval) == 2212 and len(set(geneval.prompts)) == 553
+    assert len(geneval) == 160 and len(set(geneval.prompts)) == 40
     assert geneval.prompts[0] == "a photo of two wine glasses"
     assert geneval.metadata[0]["tag"] == "counting" and geneval.metadata[0]["include"][0]["count"] == 2
 
@@ -93,7 +98,7 @@ def test_load_train_test(tmp_path):
     assert len(test) == 32 and len(train) == 96 and not set(train.prompts) & set(test.prompts)
     assert (train.prompts, test.prompts) == tuple(p.prompts for p in split_prompt_set(bundled, 0.25, 7))
     train, test = load_train_test(_data_cfg(train_prompts=OCR, test_prompts=GENEVAL))
-    assert len(train) == 1018 and len(test) == 2212
+    assert len(train) == 102 and len(test) == 160
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text("\n".join(json.dumps({"prompt": f"p{i}", "k": i}) for i in range(5)))
     train, test = load_train_test(_data_cfg(train_prompts=str(jsonl), test_prompts="split", test_fraction=0.4))
@@ -307,11 +312,11 @@ def _rank_main(rank, world_size, port, checkpoint, run_dir, out):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_two_gloo_ranks_gather_what_one_rank_computes(tiny_checkpoint, adapter, tmp_path):
     one = run_evaluation(adapter, Scorer(_eval_cfg(tiny_checkpoint, tmp_path).reward, "cpu"), PROMPTS,
                          _eval_cfg(tiny_checkpoint, tmp_path), World(0, 1, torch.device("cpu")), progress=False)
-    mp.start_processes(_rank_main, args=(2, _free_port(), tiny_checkpoint, tmp_path / "run", tmp_path), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn_and_join(_rank_main, (2, _free_port(), tiny_checkpoint, tmp_path / "run", tmp_path), 2, timeout_s=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["scored"] for r in ranks] == [3, 2]  # each prompt sampled and scored on exactly one rank
     # The gathered rewards belong, in order, to the gathered images: rescoring rank 0's grid (all 5 images, uint8

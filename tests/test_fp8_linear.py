@@ -143,17 +143,29 @@ def test_a_device_without_fp8_matmuls_is_refused_before_the_model_loads(monkeypa
     fp8_linear.check_fp8_device(torch.device("cuda"))
 
 
-def test_diffusion_nft_trains_with_its_rollout_in_fp8(tiny_checkpoint, tmp_path):
+def test_diffusion_nft_trains_with_its_rollout_in_fp8(tiny_checkpoint, tmp_path, monkeypatch):
     """DiffusionNFT's rollout is all ODE steps (nothing replayed): with sample.off_window_fp8 every one runs FP8;
-    the update (bf16/fp32, unmerged) is unaffected."""
+    the update (bf16/fp32, unmerged) is unaffected. Fp8Linear.forward is counted: it runs in the rollouts' forwards
+    (no grad), the same number of layers in each of the 2 rollouts x 2 batches x 10 sampler steps' forwards, and
+    never in a training forward (grad on)."""
     import json
 
     from imagerl.train import train
 
+    calls, real = [], Fp8Linear.forward
+
+    def counted(self, x):
+        calls.append(torch.is_grad_enabled())
+        return real(self, x)
+
+    monkeypatch.setattr(Fp8Linear, "forward", counted)
     train(tiny_config(tiny_checkpoint, tmp_path, "train.algorithm=diffusion_nft", "nft.solver=euler",
                       "sample.merge_lora=true", "sample.off_window_fp8=true", "train.num_rollouts=2"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["train/loss"])) for r in records)
+    assert calls and not any(grad for grad in calls)  # FP8 ran, in the rollouts only
+    # 2 rollouts x 2 batches x 10 sampler steps forwards, each through the same FP8 layers (the tiny model: 24)
+    assert len(calls) % (2 * 2 * 10) == 0 and len(calls) // (2 * 2 * 10) >= 8
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -69,15 +69,30 @@ def test_mu_equals_diffusers_calculate_shift(seq_len, config):
     assert calculate_shift(seq_len, config) == mu
 
 
-def test_published_flow_grpo_values_512px_10_steps():
+def test_sigmas_of_flow_grpos_qwen_image_setting_512px_10_steps():
+    """flow_grpo's Qwen-Image rollout setting (config/grpo.py:692-703 at commit 9745241, pickscore_qwenimage:
+    resolution 512, i.e. 1024 image tokens, and sample.num_steps 10) under Qwen-Image's scheduler_config.
+
+    Where the 5-digit table comes from: flow_grpo publishes no such numbers. The table was written into this test in
+    the project's first commit (2618503), taken from diffusers 0.42.1's QwenImagePipeline schedule as recorded in that
+    session's note reference/diffusers_qwenimage.md section 3.1 (not kept in the repository). So that it is not a bare
+    copy of anyone's output, it is checked here against the formula in float64 (as the 50-step test below): mu =
+    0.5 + (0.9 - 0.5) / (8192 - 256) (L - 256), sigma = e^mu / (e^mu + 1/s - 1) on s = linspace(1, 1/n, n),
+    stretched so that the last is shift_terminal = 0.02, then 0 appended."""
+    n = 10
+    s = np.linspace(1.0, 1 / n, n)
+    mu64 = 0.5 + (0.9 - 0.5) / (8192 - 256) * (1024 - 256)
+    shifted = np.exp(mu64) / (np.exp(mu64) + (1 / s - 1))
+    derived = np.append(1 - (1 - shifted) * (1 - 0.02) / (1 - shifted[-1]), 0.0)
+    table = [1.0, 0.92897, 0.85148, 0.76662, 0.67328, 0.57012, 0.45550, 0.32740, 0.18330, 0.02, 0.0]
+    assert np.allclose(derived, table, rtol=0, atol=1e-5)  # the table is the formula's, to its 5 digits
     mu = calculate_shift(1024, QWEN)
     assert abs(mu - 0.538710) < 1e-6
     # independent float64 derivation: mu = b + m L
     m = (0.9 - 0.5) / (8192 - 256)
     assert abs(mu - (0.5 + m * (1024 - 256))) < 1e-12
-    published = [1.0, 0.92897, 0.85148, 0.76662, 0.67328, 0.57012, 0.45550, 0.32740, 0.18330, 0.02, 0.0]
     sigmas = flow_sigmas(10, 1024, QWEN)
-    assert torch.allclose(sigmas.double(), torch.tensor(published, dtype=torch.float64), rtol=0, atol=1e-5)
+    assert torch.allclose(sigmas.double(), torch.tensor(table, dtype=torch.float64), rtol=0, atol=1e-5)
     assert sigmas[0] == 1.0 and sigmas[-1] == 0.0
     assert abs(float(sigmas[-2]) - 0.02) < 1e-7  # shift_terminal
     assert torch.equal(flow_timesteps(sigmas, QWEN)[[0, 3]], sigmas[[0, 3]] * 1000)

@@ -288,6 +288,7 @@ def test_through_the_scorer_with_a_generated_data_set(tmp_path):
         scorer.validate_prompts(["a red circle", "a red hexagon"])
 
 
+@pytest.mark.perf  # an absolute wall-clock bound: python -m pytest -m perf
 def test_scores_32_images_well_under_a_second(ground_truth):
     specs, captions, images = ground_truth
     batch, prompts = to_tensor(images[:32]), captions[:32]
