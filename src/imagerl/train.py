@@ -10,7 +10,7 @@ import torch
 
 from imagerl.algorithms import make_algorithm
 from imagerl.algorithms.advantages import rollout_advantages
-from imagerl.algorithms.flow_grpo import NonFiniteError
+from imagerl.algorithms.base import NonFiniteError
 from imagerl.best_checkpoint import is_new_best, write_best
 from imagerl.checkpoint import (check_resume_config, load_checkpoint, prune_checkpoints, read_state, resolve_resume,
                                 save_checkpoint)

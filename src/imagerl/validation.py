@@ -11,10 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagerl.config import Config
-from imagerl.sampling.window import OFF_WINDOW_SOLVERS
-from imagerl.sampling.window import validate_window
 
-ALGORITHMS = ("flow_grpo", "diffusion_nft")
 LATENT_PIXELS = 16  # sample.height/width step: VAE factor 8 x patch size 2 (QwenImageAdapter.latent_grid)
 
 
@@ -88,53 +85,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         raise ValueError(f"model.text_length_multiple must be >= 0 (0: automatic), got {cfg.model.text_length_multiple}")
     if cfg.model.vae_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"model.vae_dtype must be 'float32' or 'bfloat16', got {cfg.model.vae_dtype!r}")
-    if t.algorithm not in ALGORITHMS:
-        raise ValueError(f"train.algorithm must be one of {', '.join(ALGORITHMS)}, got {t.algorithm!r}")
-    if t.algorithm == "diffusion_nft":
-        validate_nft(cfg)
-    else:  # the SDE window is Flow-GRPO's; DiffusionNFT samples by ODE
-        if s.sde_type not in ("sde", "cps"):
-            raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
-        if s.cps_log_prob not in ("flow_grpo", "gaussian"):
-            raise ValueError(f"sample.cps_log_prob must be 'flow_grpo' or 'gaussian', got {s.cps_log_prob!r}")
-        if t.ema and not 0 <= t.ema_cap < 1:
-            raise ValueError(f"train.ema_cap must be in [0, 1) (a decay of 1 never moves), got {t.ema_cap}")
-        for key in ("ema_update_interval", "ema_repeats"):
-            value = getattr(t, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"train.{key} must be an int >= 1 (1: every optimizer step, once), got {value!r}")
-        if t.ratio not in ("standard", "grpo_guard"):
-            raise ValueError(f"train.ratio must be 'standard' or 'grpo_guard', got {t.ratio!r}")
-        if t.ratio == "grpo_guard" and s.sde_type != "sde":
-            raise ValueError("train.ratio=grpo_guard scales the ratio by the sde step's sqrt(-dt) sigma_t: it needs "
-                             f"sample.sde_type=sde (got {s.sde_type})")
-        if s.noise_level <= 0:
-            raise ValueError(f"sample.noise_level must be > 0 for training (got {s.noise_level}); 0 is the ODE")
-        if len(s.sde_window_range) != 2:
-            raise ValueError(f"sample.sde_window_range must be [lo, hi], got {s.sde_window_range}")
-        validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
-        if s.sde_window_schedule not in ("fixed", "sliding"):
-            raise ValueError(f"sample.sde_window_schedule must be 'fixed' or 'sliding', got {s.sde_window_schedule!r}")
-        if s.off_window_solver not in OFF_WINDOW_SOLVERS:
-            raise ValueError(f"sample.off_window_solver must be one of {', '.join(OFF_WINDOW_SOLVERS)}, got "
-                             f"{s.off_window_solver!r}")
-        if s.post_window_ratio is not None:
-            if isinstance(s.post_window_ratio, bool) or not 0 < s.post_window_ratio <= 1:
-                raise ValueError(f"sample.post_window_ratio must be null or in (0, 1] (MixGRPO-Flash: 0.4), got "
-                                 f"{s.post_window_ratio!r}")
-            if s.post_window_steps is not None:
-                raise ValueError("sample.post_window_steps and sample.post_window_ratio both set: keep one (a fixed "
-                                 "count, or MixGRPO's compress ratio)")
-        if s.post_window_steps is not None and (isinstance(s.post_window_steps, bool) or s.post_window_steps < 1):
-            raise ValueError(f"sample.post_window_steps must be null (the schedule's steps) or an int >= 1, got "
-                             f"{s.post_window_steps!r}")
-        if s.sde_window_schedule == "sliding":
-            if s.sde_window_stride < 1 or s.sde_window_period < 1:
-                raise ValueError(f"sample.sde_window_stride ({s.sde_window_stride}) and sample.sde_window_period "
-                                 f"({s.sde_window_period}) must be >= 1 with sample.sde_window_schedule=sliding")
-            if s.sde_window_direction not in ("forward", "backward"):
-                raise ValueError("sample.sde_window_direction must be 'forward' or 'backward', got "
-                                 f"{s.sde_window_direction!r}")
+    from imagerl.algorithms.registry import algorithm_class
+
+    algorithm_class(t.algorithm).check_config(cfg)  # unknown names: a ValueError listing the registered ones
     for key, value in {"train.lr": t.lr, "train.clip_range": t.clip_range, "train.beta": t.beta,
                        "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm,
                        "train.adv_clip_max": t.adv_clip_max, "sample.noise_level": s.noise_level,
@@ -278,35 +231,6 @@ def check_fresh_run_dir(path, overwrite: bool) -> None:
                               f"metrics, images and plots), or choose another --output-dir")
     for p in ours:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-
-
-def validate_nft(cfg: Config) -> None:
-    """The nft section, and sampling settings that cannot work with deterministic ODE rollouts."""
-    from imagerl.sampling.ode import ODE_SOLVERS
-
-    n = cfg.nft
-    if n.solver not in ODE_SOLVERS:
-        raise ValueError(f"nft.solver must be one of {', '.join(ODE_SOLVERS)}, got {n.solver!r}")
-    if not (math.isfinite(n.beta) and n.beta > 0):
-        raise ValueError(f"nft.beta must be > 0 (the loss is scaled by 1/beta), got {n.beta}")
-    if not 0 < n.timestep_fraction <= 1:
-        raise ValueError(f"nft.timestep_fraction must be in (0, 1], got {n.timestep_fraction}")
-    for key, value in {"nft.ref_weight": n.ref_weight, "nft.adaptive_weight_min": n.adaptive_weight_min,
-                       "nft.old_decay_rate": n.old_decay_rate, "nft.old_decay_flat": n.old_decay_flat}.items():
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{key} must be a finite number >= 0, got {value}")
-    for key, value in {"nft.old_decay_cap": n.old_decay_cap, "nft.ema_cap": n.ema_cap}.items():
-        if not 0 <= value < 1:
-            raise ValueError(f"{key} must be in [0, 1) (a decay of 1 never moves), got {value}")
-    if n.adaptive_weight_min == 0:
-        raise ValueError("nft.adaptive_weight_min must be > 0: it keeps the loss normaliser from dividing by zero")
-    for key in ("drop_zero_advantage", "shuffle_batches", "ema"):
-        if getattr(cfg.train, key):
-            raise ValueError(f"train.{key} is Flow-GRPO's (flow_grpo's train_sd3.py); DiffusionNFT keeps every sample "
-                             "in rollout order and has its own EMA (nft.ema_cap): remove it or set it false")
-    if cfg.sample.same_initial_noise:
-        raise ValueError("sample.same_initial_noise=true with train.algorithm=diffusion_nft: deterministic ODE "
-                         "rollouts from one noise give a group of identical images (zero advantages); set it false")
 
 
 def validate_parallel(cfg: Config, world_size: int) -> str:

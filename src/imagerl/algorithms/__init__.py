@@ -1,16 +1,9 @@
-"""Group advantages and the two policy updates. The loop (train.py) sees an algorithm through six methods:
-generate (the rollout it needs), update, forwards_per_update (progress), rollout_metrics, evaluation_weights
-(what eval and exports use) and checkpoint_state (tensors it keeps beside the LoRA)."""
+"""RL algorithms behind one contract (base.py), registered by name (registry.py): Flow-GRPO (flow_grpo.py) and
+DiffusionNFT (diffusion_nft.py); group advantages (advantages.py); the LoRA states they keep beside the policy
+(lora_states.py)."""
 
 from __future__ import annotations
 
+from imagerl.algorithms.registry import algorithm_class, algorithm_names, make_algorithm, register_algorithm
 
-def make_algorithm(cfg, adapter):
-    """The train.algorithm object for this adapter (after its LoRA is added and sharded)."""
-    if cfg.train.algorithm == "diffusion_nft":
-        from imagerl.algorithms.diffusion_nft import DiffusionNFT
-
-        return DiffusionNFT(cfg, adapter)
-    from imagerl.algorithms.flow_grpo import FlowGRPO
-
-    return FlowGRPO(cfg, adapter)
+__all__ = ["algorithm_class", "algorithm_names", "make_algorithm", "register_algorithm"]

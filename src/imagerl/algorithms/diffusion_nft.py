@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from imagerl.algorithms.flow_grpo import TrainStats, run_optimizer_steps
+from imagerl.algorithms.base import Algorithm, OptimizerClock, ema_decay, run_optimizer_steps, stats_as_metrics
+from imagerl.algorithms.registry import register_algorithm
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
 from imagerl.distributed.rng import make_generator
@@ -48,11 +49,6 @@ def reward_probability(advantages_B: torch.Tensor, adv_clip_max: float) -> torch
 def old_policy_decay(k: int, flat: int, rate: float, cap: float) -> float:
     """The old policy's decay after k optimizer steps (NVlabs return_decay): 0 before `flat`, then linear, capped."""
     return 0.0 if k < flat else min((k - flat) * rate, cap)
-
-
-def ema_decay(k: int, cap: float) -> float:
-    """The evaluation EMA's decay at optimizer step k >= 1 (NVlabs EMAModuleWrapper): min((1 + k) / (10 + k), cap)."""
-    return min((1 + k) / (10 + k), cap)
 
 
 @dataclass
@@ -105,7 +101,7 @@ class NFTStats:
     old_decay: float
     ema_decay: float
 
-    as_metrics = TrainStats.as_metrics  # {"train/<field>": value}
+    as_metrics = stats_as_metrics  # {"train/<field>": value}
 
 
 def trained_timesteps(num_steps: int, fraction: float) -> int:
@@ -229,21 +225,50 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
                     ema_decay=ema_decays[-1] if ema_decays else math.nan)
 
 
-class DiffusionNFT:
+@register_algorithm
+class DiffusionNFT(Algorithm):
     """train.algorithm=diffusion_nft for the loop (train.py): the old policy's ODE rollouts, the NFT update, the old
     policy and EMA states (saved in checkpoints; the EMA is what evaluation and lora/ exports use)."""
 
     name = "diffusion_nft"
+    rollout = "clean"
 
     def __init__(self, cfg: Config, adapter):
         from imagerl.algorithms.lora_states import LoraStates
 
-        self.cfg = cfg
+        super().__init__(cfg, adapter)
         self.param_names = [name for name, p in adapter.transformer.named_parameters() if p.requires_grad]
         self.states = LoraStates(adapter.trainable_parameters(), ("old", "ema") if cfg.nft.ema else ("old",))
-        # optimizer steps so far, the clock of the old-policy and EMA decays: counted, not derived from the
-        # rollout (a resume may change train.num_optimizer_steps), and saved in checkpoints
-        self.optimizer_steps = torch.zeros((), dtype=torch.int64)
+        self.clock = OptimizerClock()  # the clock of the old-policy and EMA decays
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """The nft section, and sampling settings that cannot work with deterministic ODE rollouts."""
+        from imagerl.sampling.ode import ODE_SOLVERS
+
+        n = cfg.nft
+        if n.solver not in ODE_SOLVERS:
+            raise ValueError(f"nft.solver must be one of {', '.join(ODE_SOLVERS)}, got {n.solver!r}")
+        if not (math.isfinite(n.beta) and n.beta > 0):
+            raise ValueError(f"nft.beta must be > 0 (the loss is scaled by 1/beta), got {n.beta}")
+        if not 0 < n.timestep_fraction <= 1:
+            raise ValueError(f"nft.timestep_fraction must be in (0, 1], got {n.timestep_fraction}")
+        for key, value in {"nft.ref_weight": n.ref_weight, "nft.adaptive_weight_min": n.adaptive_weight_min,
+                           "nft.old_decay_rate": n.old_decay_rate, "nft.old_decay_flat": n.old_decay_flat}.items():
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{key} must be a finite number >= 0, got {value}")
+        for key, value in {"nft.old_decay_cap": n.old_decay_cap, "nft.ema_cap": n.ema_cap}.items():
+            if not 0 <= value < 1:
+                raise ValueError(f"{key} must be in [0, 1) (a decay of 1 never moves), got {value}")
+        if n.adaptive_weight_min == 0:
+            raise ValueError("nft.adaptive_weight_min must be > 0: it keeps the loss normaliser from dividing by zero")
+        for key in ("drop_zero_advantage", "shuffle_batches", "ema"):
+            if getattr(cfg.train, key):
+                raise ValueError(f"train.{key} is Flow-GRPO's (flow_grpo's train_sd3.py); DiffusionNFT keeps every "
+                                 "sample in rollout order and has its own EMA (nft.ema_cap): remove it or set it false")
+        if cfg.sample.same_initial_noise:
+            raise ValueError("sample.same_initial_noise=true with train.algorithm=diffusion_nft: deterministic ODE "
+                             "rollouts from one noise give a group of identical images (zero advantages); set it false")
 
     def generate(self, adapter, groups, step: int, progress=None, on_batch=None) -> CleanRollout:
         from imagerl.rollout import generate_clean
@@ -255,8 +280,8 @@ class DiffusionNFT:
     def update(self, adapter, rollout: CleanRollout, advantages_B, optimizer, world: World, step: int,
                progress=None) -> NFTStats:
         stats = diffusion_nft_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, self.states, step,
-                                     progress=progress, steps_before=int(self.optimizer_steps))
-        self.optimizer_steps += self.cfg.train.num_optimizer_steps
+                                     progress=progress, steps_before=int(self.clock))
+        self.clock.advance(self.cfg.train.num_optimizer_steps)
         return stats
 
     def forwards_per_update(self, batches_per_rank: int) -> int:
@@ -271,4 +296,4 @@ class DiffusionNFT:
 
     def checkpoint_state(self) -> dict:
         """The old and EMA states by parameter name and the optimizer-step count; loaded into in place."""
-        return {"nft": {**self.states.state_dict(self.param_names), "optimizer_steps": self.optimizer_steps}}
+        return {"nft": {**self.states.state_dict(self.param_names), "optimizer_steps": self.clock.optimizer_steps}}

@@ -34,10 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
+from imagerl.algorithms.base import Algorithm, NonFiniteError, OptimizerClock, ema_decay, run_optimizer_steps, \
+    stats_as_metrics
+from imagerl.algorithms.registry import register_algorithm
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
 from imagerl.rollout import Rollout
 from imagerl.sampling import flow_sde_step
+
+__all__ = ["FlowGRPO", "NonFiniteError", "flow_grpo_update", "grpo_guard_loss", "kl_to_reference", "ppo_clip_loss"]
 
 
 def ppo_clip_loss(log_prob_B, old_log_prob_B, advantages_B, clip_range: float, adv_clip_max: float):
@@ -85,8 +90,7 @@ class TrainStats:
     num_optimizer_steps: int
     ema_decay: float = math.nan  # train.ema: the EMA's last decay
 
-    def as_metrics(self) -> dict[str, float]:
-        return {f"train/{k}": v for k, v in self.__dict__.items()}
+    as_metrics = stats_as_metrics
 
 
 def _step_log_prob(adapter, rollout: Rollout, batch: slice, j: int, cond, cfg: Config):
@@ -98,45 +102,6 @@ def _step_log_prob(adapter, rollout: Rollout, batch: slice, j: int, cond, cfg: C
     return flow_sde_step(x, v, rollout.sigmas_S[j], rollout.sigmas_next_S[j], noise_level=s.noise_level,
                          sigma_max=rollout.sigma_max, sde_type=s.sde_type, cps_log_prob=s.cps_log_prob,
                          prev_sample=rollout.next_latents_BSNC[batch, j].to(adapter.device))
-
-
-class NonFiniteError(ValueError):
-    """A NaN/inf loss or gradient: the update stops before the optimizer step, the weights stay the last good ones."""
-
-
-def global_clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """clip_grad_norm_ over all ranks' shards: with FSDP2 the grads are DTensors and the returned total norm
-    is a DTensor whose full_tensor() reduces the shards' partial norms (the same number on every rank). A
-    non-finite norm (the same on every rank) raises NonFiniteError: call this before optimizer.step()."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if not math.isfinite(value):
-        raise NonFiniteError(f"the loss or its gradient is not finite (gradient norm {value}); the optimizer step "
-                             "was not taken, the weights are unchanged")
-    return value
-
-
-def run_optimizer_steps(adapter, optimizer, world: World, params, batches: list, num_optimizer_steps: int,
-                        max_grad_norm: float, train_batch, after_step=None) -> list[float]:
-    """The update's skeleton, shared by Flow-GRPO and DiffusionNFT: train mode; per optimizer step zero the
-    grads, train_batch(opt_step, batch) (its backward calls) over that step's equal share of `batches`, all-reduce,
-    clip (NonFiniteError before a non-finite step), step, after_step(opt_step); then eval mode, grads freed.
-    Returns the gradient norms before clipping."""
-    per_step = len(batches) // num_optimizer_steps
-    grad_norms = []
-    adapter.transformer.train()
-    for opt_step in range(num_optimizer_steps):
-        optimizer.zero_grad(set_to_none=True)
-        for batch in batches[opt_step * per_step: (opt_step + 1) * per_step]:
-            train_batch(opt_step, batch)
-        world.all_reduce_grads(params)  # a no-op under FSDP: backward already reduce-scattered the grads
-        grad_norms.append(global_clip_grad_norm_(params, max_grad_norm))
-        optimizer.step()
-        if after_step is not None:
-            after_step(opt_step)
-    adapter.transformer.eval()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norms
 
 
 def training_order(batches: list[slice], seed: int, rollout_step: int, rank: int) -> list[slice]:
@@ -219,20 +184,70 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
     )
 
 
-class FlowGRPO:
+@register_algorithm
+class FlowGRPO(Algorithm):
     """train.algorithm=flow_grpo for the loop (train.py): SDE-window rollouts with old log-probs, then the update."""
 
     name = "flow_grpo"
+    rollout = "sde"
 
     def __init__(self, cfg: Config, adapter):
-        self.cfg = cfg
+        super().__init__(cfg, adapter)
         self.ema = None
         if cfg.train.ema:  # flow_grpo's train.ema (EMAModuleWrapper): evaluation and exports use an EMA of the policy
             from imagerl.algorithms.lora_states import LoraStates
 
             self.param_names = [name for name, p in adapter.transformer.named_parameters() if p.requires_grad]
             self.ema = LoraStates(adapter.trainable_parameters(), ("ema",))
-        self.optimizer_steps = torch.zeros((), dtype=torch.int64)  # the EMA's clock, saved with it
+        self.clock = OptimizerClock()  # the EMA's clock, saved with it
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        from imagerl.sampling.window import OFF_WINDOW_SOLVERS, validate_window
+
+        s, t = cfg.sample, cfg.train
+        if s.sde_type not in ("sde", "cps"):
+            raise ValueError(f"sample.sde_type must be 'sde' or 'cps', got {s.sde_type!r}")
+        if s.cps_log_prob not in ("flow_grpo", "gaussian"):
+            raise ValueError(f"sample.cps_log_prob must be 'flow_grpo' or 'gaussian', got {s.cps_log_prob!r}")
+        if t.ema and not 0 <= t.ema_cap < 1:
+            raise ValueError(f"train.ema_cap must be in [0, 1) (a decay of 1 never moves), got {t.ema_cap}")
+        for key in ("ema_update_interval", "ema_repeats"):
+            value = getattr(t, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{key} must be an int >= 1 (1: every optimizer step, once), got {value!r}")
+        if t.ratio not in ("standard", "grpo_guard"):
+            raise ValueError(f"train.ratio must be 'standard' or 'grpo_guard', got {t.ratio!r}")
+        if t.ratio == "grpo_guard" and s.sde_type != "sde":
+            raise ValueError("train.ratio=grpo_guard scales the ratio by the sde step's sqrt(-dt) sigma_t: it needs "
+                             f"sample.sde_type=sde (got {s.sde_type})")
+        if s.noise_level <= 0:
+            raise ValueError(f"sample.noise_level must be > 0 for training (got {s.noise_level}); 0 is the ODE")
+        if len(s.sde_window_range) != 2:
+            raise ValueError(f"sample.sde_window_range must be [lo, hi], got {s.sde_window_range}")
+        validate_window(s.num_steps, s.num_sde_steps, tuple(s.sde_window_range), s.sde_window_start)
+        if s.sde_window_schedule not in ("fixed", "sliding"):
+            raise ValueError(f"sample.sde_window_schedule must be 'fixed' or 'sliding', got {s.sde_window_schedule!r}")
+        if s.off_window_solver not in OFF_WINDOW_SOLVERS:
+            raise ValueError(f"sample.off_window_solver must be one of {', '.join(OFF_WINDOW_SOLVERS)}, got "
+                             f"{s.off_window_solver!r}")
+        if s.post_window_ratio is not None:
+            if isinstance(s.post_window_ratio, bool) or not 0 < s.post_window_ratio <= 1:
+                raise ValueError(f"sample.post_window_ratio must be null or in (0, 1] (MixGRPO-Flash: 0.4), got "
+                                 f"{s.post_window_ratio!r}")
+            if s.post_window_steps is not None:
+                raise ValueError("sample.post_window_steps and sample.post_window_ratio both set: keep one (a fixed "
+                                 "count, or MixGRPO's compress ratio)")
+        if s.post_window_steps is not None and (isinstance(s.post_window_steps, bool) or s.post_window_steps < 1):
+            raise ValueError(f"sample.post_window_steps must be null (the schedule's steps) or an int >= 1, got "
+                             f"{s.post_window_steps!r}")
+        if s.sde_window_schedule == "sliding":
+            if s.sde_window_stride < 1 or s.sde_window_period < 1:
+                raise ValueError(f"sample.sde_window_stride ({s.sde_window_stride}) and sample.sde_window_period "
+                                 f"({s.sde_window_period}) must be >= 1 with sample.sde_window_schedule=sliding")
+            if s.sde_window_direction not in ("forward", "backward"):
+                raise ValueError("sample.sde_window_direction must be 'forward' or 'backward', got "
+                                 f"{s.sde_window_direction!r}")
 
     def generate(self, adapter, groups, step: int, progress=None, on_batch=None) -> Rollout:
         from imagerl.rollout import generate
@@ -250,9 +265,7 @@ class FlowGRPO:
                progress=None) -> TrainStats:
         after_step, decays, t = None, [], self.cfg.train
         if self.ema is not None:
-            from imagerl.algorithms.diffusion_nft import ema_decay
-
-            done = int(self.optimizer_steps)
+            done = int(self.clock)
 
             def after_step(opt_step: int) -> None:
                 # flow_grpo's EMAModuleWrapper.step(parameters, k) with k the optimizer steps done: an update when
@@ -269,7 +282,7 @@ class FlowGRPO:
 
         stats = flow_grpo_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, progress=progress,
                                  after_step=after_step, rollout_step=step)
-        self.optimizer_steps += self.cfg.train.num_optimizer_steps
+        self.clock.advance(self.cfg.train.num_optimizer_steps)
         if decays:
             stats.ema_decay = decays[-1]
         return stats
@@ -288,4 +301,4 @@ class FlowGRPO:
         """Tensors beside the LoRA and optimizer in a checkpoint: the EMA and its clock (train.ema), else none."""
         if self.ema is None:
             return {}
-        return {"flow_grpo": {**self.ema.state_dict(self.param_names), "optimizer_steps": self.optimizer_steps}}
+        return {"flow_grpo": {**self.ema.state_dict(self.param_names), "optimizer_steps": self.clock.optimizer_steps}}
