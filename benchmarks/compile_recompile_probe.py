@@ -12,7 +12,7 @@ from imagerl.validation import validate
 from imagerl.components import load_adapter, resolve_family_defaults, make_optimizer
 from imagerl.distributed.parallel import World
 from imagerl.distributed.fsdp import apply_parallelism
-from imagerl.data import PromptGroups
+from imagerl.data.prompts import PromptGroups
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window
 from imagerl.algorithms.flow_grpo import flow_grpo_update

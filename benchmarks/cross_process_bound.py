@@ -50,7 +50,7 @@ def _rank(rank: int, size: int, port: int, run_dir: str, overrides: list[str]) -
 
 
 def _policy(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    from imagerl.checkpoint_tensors import read_trainer_state
+    from imagerl.run.checkpoint_tensors import read_trainer_state
 
     return read_trainer_state(run_dir / "checkpoints" / f"step_{step:06d}" / "trainer")["model"]
 

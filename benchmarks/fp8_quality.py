@@ -36,15 +36,15 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
-    from imagerl.checkpoint import load_lora
+    from imagerl.run.checkpoint import load_lora
     from imagerl.components import resolve_dtype, resolve_model_path
     from imagerl.config import Config
-    from imagerl.data import load_prompt_set, resolve_prompt_file
+    from imagerl.data.prompts import load_prompt_set, resolve_prompt_file
     from imagerl.distributed.parallel import init_world
-    from imagerl.evaluation import run_evaluation
+    from imagerl.evaluation.held_out import run_evaluation
     from imagerl.families.layers.merged_lora import MergedLora
     from imagerl.families.registry import family_class
-    from imagerl.model_defaults import model_defaults
+    from imagerl.families.model_defaults import model_defaults
     from imagerl.rewards import Scorer
 
     world = init_world(args.device)

@@ -24,12 +24,12 @@ from real_size_check import PROMPT, build_qwen_image21  # noqa: E402
 from reward_throughput import VIT_H  # noqa: E402
 
 from imagerl.config import RewardConfig, load_config  # noqa: E402
-from imagerl.data import PromptGroups  # noqa: E402
+from imagerl.data.prompts import PromptGroups  # noqa: E402
 from imagerl.rewards import Scorer  # noqa: E402
 from imagerl.rewards.tiny_clip import save_random_clip  # noqa: E402
 from imagerl.rollout import generate  # noqa: E402
 from imagerl.sampling import sde_window  # noqa: E402
-from imagerl.scoring import AsyncScorer  # noqa: E402
+from imagerl.rewards.scoring import AsyncScorer  # noqa: E402
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+import imagerl.algorithms.base as update_base
 import imagerl.algorithms.flow_grpo as flow_grpo
 import imagerl.rollout as rollout_module
 from imagerl.families.layers.merged_lora import MergedLora
@@ -85,7 +86,7 @@ def _previous_merge(module, names, weight):
 
 
 def _instrument(train_marks: Marks, rollout_marks: Marks, builds: list) -> None:
-    step, clip = flow_grpo._step_log_prob, flow_grpo.global_clip_grad_norm_
+    step, clip = flow_grpo._step_log_prob, update_base.global_clip_grad_norm_
 
     def step_log_prob(*args, **kwargs):
         train_marks.mark("step")
@@ -95,7 +96,7 @@ def _instrument(train_marks: Marks, rollout_marks: Marks, builds: list) -> None:
         train_marks.mark("clip")
         return clip(*args, **kwargs)
 
-    flow_grpo._step_log_prob, flow_grpo.global_clip_grad_norm_ = step_log_prob, clip_grad
+    flow_grpo._step_log_prob, update_base.global_clip_grad_norm_ = step_log_prob, clip_grad  # run_optimizer_steps'
 
     merged_applied = [False]
 

@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from imagerl.distributed.rng import make_generator  # noqa: E402
 from imagerl.families.qwen_image import QwenImageFamily  # noqa: E402
-from imagerl.quickstart_model import (build_base_checkpoint, latent_statistics, load_images,  # noqa: E402
+from imagerl.families.quickstart_model import (build_base_checkpoint, latent_statistics, load_images,  # noqa: E402
                                       sft_config, train_vae, write_build_record)
 from imagerl.rewards.shapes import ShapesReward  # noqa: E402
 from imagerl.rollout import ode_sample  # noqa: E402
-from imagerl.sft import export_model, sft  # noqa: E402
-from imagerl.synthetic import generate_dataset  # noqa: E402
+from imagerl.sft.trainer import export_model, sft  # noqa: E402
+from imagerl.data.synthetic import generate_dataset  # noqa: E402
 
 
 @torch.no_grad()

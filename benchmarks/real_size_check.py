@@ -22,7 +22,7 @@ import torch
 from imagerl.algorithms.flow_grpo import flow_grpo_update
 from imagerl.components import make_optimizer, resolve_family_defaults
 from imagerl.config import load_config
-from imagerl.data import PromptGroups
+from imagerl.data.prompts import PromptGroups
 from imagerl.distributed.parallel import World
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window

@@ -54,7 +54,7 @@ FALLBACK_PROMPTS = ['A close-up photograph of an engraved silver ring with the i
 def prompts() -> list[str]:
     if PROMPT_FILE.is_file():
         return PROMPT_FILE.read_text().split("\n")
-    from imagerl.data import bundled_prompt_file
+    from imagerl.data.prompts import bundled_prompt_file
 
     bundled = bundled_prompt_file()
     return bundled.read_text().splitlines() if bundled.is_file() else FALLBACK_PROMPTS

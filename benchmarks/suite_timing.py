@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from imagerl.distributed.parallel import World
-from imagerl.evaluation import EvalSettings, generate_and_score
-from imagerl.suites import build_suite
-from imagerl.suites.run import expand
+from imagerl.evaluation.held_out import EvalSettings, generate_and_score
+from imagerl.evaluation.suites import build_suite
+from imagerl.evaluation.suites.run import expand
 
 
 def rendered_text_images(texts: list[str], size: int = 512) -> torch.Tensor:

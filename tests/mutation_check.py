@@ -50,7 +50,7 @@ MUTATIONS = [
     Mutation("c", "flow_grpo_update: loss / batches per step (not batches x steps)", "imagerl/algorithms/flow_grpo.py",
              "(loss / micro).backward()", "(loss / per_step).backward()",
              ("tests/test_flow_grpo_update_reference.py",)),
-    Mutation("d", "checkpoint_tensors.non_finite: isfinite -> isnan (inf passes)", "imagerl/checkpoint_tensors.py",
+    Mutation("d", "checkpoint_tensors.non_finite: isfinite -> isnan (inf passes)", "imagerl/run/checkpoint_tensors.py",
              "not torch.isfinite(t).all()", "torch.isnan(t).any()",
              ("tests/test_checkpoint_safety.py", "tests/test_checkpoint_format.py", "-k", "non_finite and not loss")),
     Mutation("e", "flow_sde_step without - log(std)", "imagerl/sampling/sde.py",

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from conftest import tiny_config
 from imagerl.algorithms.base import Algorithm, NonFiniteError
 from imagerl.algorithms.registry import ALGORITHMS, algorithm_class, algorithm_names, register_algorithm
-from imagerl.checkpoint import verify_checkpoint
+from imagerl.run.checkpoint import verify_checkpoint
 from imagerl.train import train
 
 NAMES = algorithm_names()

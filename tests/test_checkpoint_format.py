@@ -11,8 +11,8 @@ import torch
 
 import no_unpickling
 from conftest import tiny_config
-from imagerl.checkpoint import _checksums, verify_checkpoint
-from imagerl.checkpoint_tensors import read_trainer_state
+from imagerl.run.checkpoint import _checksums, verify_checkpoint
+from imagerl.run.checkpoint_tensors import read_trainer_state
 from imagerl.cli import main
 from imagerl.train import train
 
@@ -105,7 +105,7 @@ def test_convert_checkpoint_rewrites_format_1_exactly_and_the_run_resumes(nft_ru
 def test_non_finite_algorithm_and_optimizer_state_is_refused_at_load(nft_run, tmp_path, tiny_checkpoint, part, value):
     from test_checkpoint_safety import _poison
 
-    from imagerl.checkpoint_tensors import NonFiniteStateError
+    from imagerl.run.checkpoint_tensors import NonFiniteStateError
 
     run_dir = _copy(nft_run, tmp_path)
     key = _poison(run_dir / "checkpoints" / "step_000002", part.rstrip("/") if part.endswith("/exp_avg/") else part,
@@ -116,7 +116,7 @@ def test_non_finite_algorithm_and_optimizer_state_is_refused_at_load(nft_run, tm
 
 def test_a_full_disk_while_checkpointing_is_one_line_and_the_last_checkpoint_is_intact(nft_run, tmp_path,
                                                                                         monkeypatch, capsys):
-    import imagerl.checkpoint_tensors as checkpoint_tensors
+    import imagerl.run.checkpoint_tensors as checkpoint_tensors
 
     run_dir = _copy(nft_run, tmp_path)
     real = checkpoint_tensors.save_file

@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_config
 from imagerl.algorithms.flow_grpo import NonFiniteError
-from imagerl.checkpoint import _checksums, latest_checkpoint, resolve_resume, verify_checkpoint
+from imagerl.run.checkpoint import _checksums, latest_checkpoint, resolve_resume, verify_checkpoint
 from imagerl.train import train
 
 COMMON = ["train.num_rollouts=2", "run.checkpoint_every=1", "run.keep_checkpoints=3"]
@@ -115,7 +115,7 @@ def _poison(ckpt, key_part, value=float("nan")):
 @pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("part", ["model/", "/exp_avg_sq"])  # the LoRA, AdamW's second moment
 def test_non_finite_state_in_a_consistent_checkpoint_is_refused_by_name(run, tmp_path, tiny_checkpoint, part, value):
-    from imagerl.checkpoint_tensors import NonFiniteStateError
+    from imagerl.run.checkpoint_tensors import NonFiniteStateError
 
     run_dir = _copy(run, tmp_path)
     ckpt = run_dir / "checkpoints" / "step_000002"
@@ -126,8 +126,8 @@ def test_non_finite_state_in_a_consistent_checkpoint_is_refused_by_name(run, tmp
 
 @pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
 def test_no_checkpoint_is_written_with_a_non_finite_tensor(run, tmp_path, tiny_checkpoint, value):
-    from imagerl.checkpoint import save_checkpoint
-    from imagerl.checkpoint_tensors import NonFiniteStateError
+    from imagerl.run.checkpoint import save_checkpoint
+    from imagerl.run.checkpoint_tensors import NonFiniteStateError
     from imagerl.components import load_adapter, make_optimizer
     from imagerl.distributed.parallel import World
 
@@ -205,7 +205,7 @@ def test_changed_settings_on_resume_are_applied_or_refused_by_key(run, tmp_path,
     assert (run_dir / "config.yaml").read_text() == original  # the original config is kept
     resumed = (run_dir / "config.resumed_step_000002.yaml").read_text()
     assert "lr: 0.1" in resumed
-    from imagerl.checkpoint_tensors import read_trainer_state
+    from imagerl.run.checkpoint_tensors import read_trainer_state
 
     optim = read_trainer_state(run_dir / "checkpoints" / "step_000003" / "trainer")["optim"]
     assert {g["lr"] for g in optim["param_groups"]} == {0.1}  # the change took effect, as recorded

@@ -65,7 +65,7 @@ def test_resume_without_recipe_uses_the_runs_settings_and_a_finished_run_says_so
 
 
 def test_ctrl_c_stops_with_one_line_and_the_last_checkpoint_resumes(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    from imagerl.scoring import AsyncScorer
+    from imagerl.rewards.scoring import AsyncScorer
 
     run = tmp_path / "run"
     collect, calls = AsyncScorer.collect, []
@@ -91,7 +91,7 @@ def test_a_resume_continues_toward_an_extension_stopped_before_its_first_checkpo
     """`--resume latest train.num_rollouts=3`, interrupted before the extension's first checkpoint, then
     `--resume latest`: it continues toward 3 (the run's latest config), not the checkpoint's 1. run.output_dir is
     not listed as a changed setting."""
-    from imagerl.scoring import AsyncScorer
+    from imagerl.rewards.scoring import AsyncScorer
 
     run = tmp_path / "run"
     assert main(_args(tiny_checkpoint, run)) == 0

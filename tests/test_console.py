@@ -11,7 +11,7 @@ import pytest
 from conftest import tiny_config
 from spawn_ranks import spawn_and_join
 from imagerl.config import available_recipes, load_config
-from imagerl.console import RankPrefixed, format_duration
+from imagerl.run.console import RankPrefixed, format_duration
 from imagerl.validation import validate
 
 
@@ -100,7 +100,7 @@ def test_two_process_train_prints_progress_and_summary_on_rank_0_only(tmp_path):
 def test_harmless_library_warnings_are_hidden_and_others_shown():
     import warnings
 
-    from imagerl.console import quiet_harmless_warnings
+    from imagerl.run.console import quiet_harmless_warnings
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

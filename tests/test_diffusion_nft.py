@@ -11,7 +11,7 @@ from imagerl.algorithms.diffusion_nft import (DiffusionNFT, diffusion_nft_update
                                               old_policy_decay, reward_probability, trained_timesteps)
 from imagerl.algorithms.lora_states import LoraStates
 from imagerl.components import load_adapter, resolve_family_defaults
-from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
 from imagerl.distributed.parallel import World
 from imagerl.train import train
 from imagerl.validation import validate
@@ -213,7 +213,7 @@ def _records(run_dir):
 
 def _saved_states(run_dir, step):
     """The trainer state of checkpoint `step`: {"model": ..., "optim": ..., "nft": {"old": ..., "ema": ...}}."""
-    from imagerl.checkpoint_tensors import read_trainer_state
+    from imagerl.run.checkpoint_tensors import read_trainer_state
 
     state = read_trainer_state(run_dir / "checkpoints" / f"step_{step:06d}" / "trainer")
     return {**state, **state.pop("extra")}

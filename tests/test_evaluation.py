@@ -15,12 +15,13 @@ from PIL import Image
 from conftest import tiny_config
 from spawn_ranks import spawn_and_join
 from imagerl.cli import main
-from imagerl.data import (PromptSet, bundled_prompt_file, load_prompt_set, load_train_test, rank_block,
+from imagerl.data import load_train_test
+from imagerl.data.prompts import (PromptSet, bundled_prompt_file, load_prompt_set, rank_block,
                           split_prompt_set)
 from imagerl.distributed.parallel import World
 from imagerl.distributed.rng import make_generator
-from imagerl.evaluation import eval_settings, evaluate, run_evaluation, unpad_gathered
-from imagerl.metrics import MetricsLogger, save_image_grid, wrap_text
+from imagerl.evaluation.held_out import eval_settings, evaluate, run_evaluation, unpad_gathered
+from imagerl.run.metrics import MetricsLogger, save_image_grid, wrap_text
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.jpeg import jpeg_sizes_kb
 
@@ -215,7 +216,7 @@ def test_scoring_in_a_background_thread_gives_the_same_table_in_order(tiny_check
     import threading
     import time as time_module
 
-    from imagerl.evaluation import EvalSettings, generate_and_score
+    from imagerl.evaluation.held_out import EvalSettings, generate_and_score
 
     world = World(0, 1, torch.device("cpu"))
     settings = EvalSettings(2, 1.0, 64, 64, 3, 1, " ", 5)
@@ -362,7 +363,7 @@ def test_grid_with_captions(tmp_path):
 
 
 def test_cli_eval_end_to_end_with_and_without_lora(tiny_checkpoint, adapter, tmp_path, capsys):
-    from imagerl.checkpoint import save_lora
+    from imagerl.run.checkpoint import save_lora
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS.prompts) + "\n")

@@ -101,7 +101,7 @@ def test_a_diffusion_nft_update_moves_the_lora(family, tmp_path):
 
 
 def test_the_lora_export_loads_into_the_pipeline_and_samples_the_same_images(family, tmp_path):
-    from imagerl.checkpoint import load_lora
+    from imagerl.run.checkpoint import load_lora
     from imagerl.rollout import ode_sample
     from imagerl.train import train
 

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_config
 from imagerl.algorithms.diffusion_nft import shuffled_batches
 from imagerl.algorithms.flow_grpo import grpo_guard_loss
-from imagerl.checkpoint_tensors import read_trainer_state
+from imagerl.run.checkpoint_tensors import read_trainer_state
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps, sde_window
 from imagerl.sampling.window import Sliding, step_grid
 from imagerl.train import train
@@ -202,7 +202,7 @@ def test_mixgrpo_flash_solves_the_ode_steps_with_dpm2_on_the_compressed_grid(tin
     """The rollout's off-window steps are DPM-Solver++(2M) (ode_step) on step_grid's points: replayed here from the
     initial noise to the window's first input, and from the window's last output to the decoded images."""
     from imagerl.components import load_adapter, resolve_family_defaults
-    from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+    from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
     from imagerl.distributed.parallel import World, resolve_device
     from imagerl.rollout import generate
     from imagerl.sampling.ode import ODESolverState, ode_step

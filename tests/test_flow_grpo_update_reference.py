@@ -38,7 +38,7 @@ import torch
 from conftest import tiny_config
 from imagerl.algorithms.flow_grpo import flow_grpo_update
 from imagerl.components import load_adapter, resolve_family_defaults
-from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
 from imagerl.distributed.parallel import World
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window

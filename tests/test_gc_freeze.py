@@ -5,8 +5,8 @@ import weakref
 
 import torch
 
-from imagerl.gc_freeze import GCFreeze
-from imagerl.metrics import PhaseTimer
+from imagerl.run.gc_freeze import GCFreeze
+from imagerl.run.metrics import PhaseTimer
 
 
 class _Node:

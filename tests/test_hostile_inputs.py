@@ -10,7 +10,7 @@ import pytest
 
 from conftest import tiny_config
 from imagerl.config import load_config
-from imagerl.metrics import MetricsLogger, read_metrics
+from imagerl.run.metrics import MetricsLogger, read_metrics
 from imagerl.train import train
 from imagerl.validation import validate
 

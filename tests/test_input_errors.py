@@ -11,7 +11,8 @@ import pytest
 
 from imagerl.cli import main
 from imagerl.config import load_config, recipe_dir
-from imagerl.validation import check_output_dir, validate
+from imagerl.run.lock import check_output_dir
+from imagerl.validation import validate
 
 
 def rejects(overrides, match):
@@ -181,7 +182,7 @@ def test_a_gpu_recipe_on_a_cpu_warns_with_the_expected_time(tmp_path):
 
     from imagerl.components import resolve_model_path
     from imagerl.config import load_config
-    from imagerl.cpu_estimate import cpu_rollout_warning, rollout_flops
+    from imagerl.run.cpu_estimate import cpu_rollout_warning, rollout_flops
 
     released = tmp_path / "Qwen-Image" / "transformer"
     released.mkdir(parents=True)
@@ -210,7 +211,7 @@ def test_the_cpu_estimate_counts_sd3_and_flux_from_their_released_configs(tmp_pa
     import json
 
     from imagerl.config import load_config
-    from imagerl.cpu_estimate import cpu_rollout_warning, rollout_flops
+    from imagerl.run.cpu_estimate import cpu_rollout_warning, rollout_flops
     from imagerl.perf.bench_flux import FLUX_DEV
     from imagerl.perf.bench_sd3 import SD35_MEDIUM
 

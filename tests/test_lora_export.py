@@ -1,4 +1,4 @@
-"""The exported LoRA (imagerl.checkpoint.save_lora) means the same thing to diffusers and to imagerl.
+"""The exported LoRA (imagerl.run.checkpoint.save_lora) means the same thing to diffusers and to imagerl.
 
 rank 4, alpha 8: the LoRA update is (alpha / r) B A = 2 B A. A loader that ignored alpha would apply
 B A and the outputs below would differ.
@@ -11,7 +11,7 @@ import torch
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from safetensors.torch import load_file
 
-from imagerl.checkpoint import PEFT_PREFIX, save_lora
+from imagerl.run.checkpoint import PEFT_PREFIX, save_lora
 from imagerl.families.qwen_image import QwenImageFamily
 
 RANK, ALPHA = 4, 8

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_config
 from imagerl.components import load_adapter, resolve_family_defaults
-from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
 from imagerl.distributed.parallel import World
 from imagerl.families.layers.merged_lora import MergedLora
 from imagerl.rollout import generate

@@ -1,4 +1,4 @@
-"""data.mixture: several prompt sets with their own rewards and shares (imagerl.mixture). The composition against
+"""data.mixture: several prompt sets with their own rewards and shares (imagerl.data.mixture). The composition against
 the largest-remainder rule worked by hand, the sampler's slices and passes, the Scorer's per-set rewards against a
 direct computation, per-reward advantages over the images each reward scored against a float64 loop, and a
 training run's per-set metrics."""
@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_config
 from imagerl.config import load_config
-from imagerl.mixture import MIXTURE_KEY, MixtureSampler, check_mixture, load_mixture, set_counts
+from imagerl.data.mixture import MIXTURE_KEY, MixtureSampler, check_mixture, load_mixture, set_counts
 
 
 @pytest.mark.parametrize("shares, total, expected", [
@@ -167,7 +167,7 @@ def test_training_on_a_mixture_logs_each_set(tiny_checkpoint, tmp_path):
     mixed = (3 * last["rollout/set/shapes/raw_mean"] + last["rollout/set/other/raw_mean"]) / 4
     assert last["rollout/reward/raw_mean"] == pytest.approx(mixed, rel=1e-9)
     assert last["rollout/reward/failed_count"] == 0 and last["train/log_prob_mean_abs_diff"] == 0.0
-    from imagerl.report import write_report
+    from imagerl.run.report import write_report
 
     report, _ = write_report(run, phases=False)
     assert "held-out set other" in report and "held-out set shapes" in report and "shapes_mean" in report

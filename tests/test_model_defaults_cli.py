@@ -14,10 +14,10 @@ from PIL import Image
 
 from imagerl.cli import main
 from imagerl.components import resolve_model_path
-from imagerl.data import NAMED_PROMPT_SETS, bundled_prompt_file, load_prompts
+from imagerl.data.prompts import NAMED_PROMPT_SETS, bundled_prompt_file, load_prompts
 from imagerl.families.qwen_image import QwenImageFamily
-from imagerl.model_defaults import DEFAULTS_FILE, ModelDefaults, model_defaults
-from imagerl.sft import load_sft_config, with_model_defaults
+from imagerl.families.model_defaults import DEFAULTS_FILE, ModelDefaults, model_defaults
+from imagerl.sft.trainer import load_sft_config, with_model_defaults
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def sft_data(tmp_path_factory):
 
 
 def test_the_shipped_quickstart_model_recommends_its_recipe_settings(quickstart):
-    from imagerl.quickstart_model import SAMPLING_DEFAULTS
+    from imagerl.families.quickstart_model import SAMPLING_DEFAULTS
 
     d = model_defaults(quickstart)
     assert (d.height, d.width, d.num_steps, d.guidance_scale, d.rewards) == (64, 64, 10, 1.0, ("shapes",))
@@ -197,7 +197,7 @@ def test_a_long_caption_stays_inside_its_tile(tmp_path):
     """At the quickstart's 64 px tiles: at most 3 lines, each within the tile, the last ending in '...'."""
     from PIL import ImageDraw
 
-    from imagerl.metrics import _font, save_image_grid, wrap_text
+    from imagerl.run.metrics import _font, save_image_grid, wrap_text
 
     long = ("a chalkboard menu with SOUP OF THE DAY written on it in a cozy little cafe near the station, "
             "photographed at dusk with warm light and a bicycle leaning against the window")

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from imagerl.monitors import DriftMonitor, image_statistics
+from imagerl.run.monitors import DriftMonitor, image_statistics
 
 
 def _image(rgb_rows):
@@ -87,7 +87,7 @@ def test_keep_best_keeps_the_best_evaluation_beside_the_latest_and_survives_resu
     import json
 
     from conftest import tiny_config
-    from imagerl.best_checkpoint import read_best
+    from imagerl.run.best_checkpoint import read_best
     from imagerl.cli import main
     from imagerl.train import train
 

@@ -38,7 +38,7 @@ def test_piped_train_and_sample_print_no_loading_bars_or_harmless_warnings(tiny_
 def test_a_gpu_recipe_on_a_cpu_says_so_with_a_measured_time(tiny_checkpoint):
     from imagerl.components import load_adapter, resolve_family_defaults
     from imagerl.config import load_config
-    from imagerl.cpu_estimate import measured_rollout_message
+    from imagerl.run.cpu_estimate import measured_rollout_message
     from imagerl.distributed.parallel import World, resolve_device
 
     cfg = load_config("qwen_image_jpeg", [f"model.path={tiny_checkpoint}", "model.device=cpu",

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from imagerl.config import Config
-from imagerl.data import GroupSampler, PromptSet
-from imagerl.validation import validate, validate_parallel
+from imagerl.data.prompts import GroupSampler, PromptSet
+from imagerl.distributed.parallel import validate_parallel
+from imagerl.validation import validate
 
 PROMPTS = PromptSet([f"prompt {i}" for i in range(7)], [{} for _ in range(7)])
 
@@ -99,9 +100,9 @@ def test_deterministic_mode_is_checked_at_startup():
 
 
 def test_interrupted_checkpoint_is_never_picked_up(tiny_checkpoint, tmp_path, monkeypatch):
-    import imagerl.checkpoint_tensors as checkpoint_tensors
+    import imagerl.run.checkpoint_tensors as checkpoint_tensors
     from conftest import tiny_config
-    from imagerl.checkpoint import latest_checkpoint, resolve_resume
+    from imagerl.run.checkpoint import latest_checkpoint, resolve_resume
     from imagerl.train import train
 
     run = tmp_path / "run"

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from imagerl.metrics import PhaseTimer
+from imagerl.run.metrics import PhaseTimer
 
 
 def test_gc_pauses_inside_phases_are_counted_and_outside_are_not():

@@ -9,10 +9,11 @@ import torch
 from conftest import tiny_config
 from imagerl.components import resolve_model_path
 from imagerl.config import load_config
-from imagerl.data import bundled_prompt_file, load_prompt_set, load_train_test
+from imagerl.data import load_train_test
+from imagerl.data.prompts import bundled_prompt_file, load_prompt_set
 from imagerl.families.qwen_image import QwenImageFamily
 from imagerl.rewards.shapes import ShapesReward
-from imagerl.synthetic import all_specs, caption_of, draw, is_test_spec, layout, parse_caption
+from imagerl.data.synthetic import all_specs, caption_of, draw, is_test_spec, layout, parse_caption
 from imagerl.validation import validate
 from test_training import _rollout
 
@@ -69,7 +70,7 @@ def test_quickstart_recipe_is_valid_on_one_process():
 
 
 def test_test_samples_per_prompt_repeats_each_held_out_prompt_with_its_own_noise():
-    from imagerl.evaluation import eval_noise
+    from imagerl.evaluation.held_out import eval_noise
 
     cfg = load_config("quickstart", ["data.test_samples_per_prompt=3"])
     _, test = load_train_test(cfg.data)

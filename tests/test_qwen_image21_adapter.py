@@ -15,7 +15,7 @@ from diffusers import QwenImage21Pipeline
 
 import imagerl
 from conftest import tiny_config
-from imagerl.checkpoint import save_lora
+from imagerl.run.checkpoint import save_lora
 from imagerl.families.qwen_image21 import PROMPT_TEMPLATE, SYSTEM_PROMPT, QwenImage21Family
 from imagerl.families.qwen_image21.tiny import load_processor21, make_tiny_qwen_image21
 from imagerl.sampling import flow_sde_step, flow_timesteps

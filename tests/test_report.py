@@ -9,8 +9,8 @@ from PIL import Image
 
 from conftest import tiny_config
 from imagerl.cli import main
-from imagerl.metrics import plot_reward_curve, read_metrics
-from imagerl.report import summarize
+from imagerl.run.metrics import plot_reward_curve, read_metrics
+from imagerl.run.report import summarize
 
 TRAIN_BLUE = (31, 119, 180)  # matplotlib C0: the train reward line
 EVAL_RED = (214, 39, 40)  # matplotlib C3: the held-out reward markers
@@ -161,7 +161,7 @@ def test_report_of_a_real_training_run_with_evaluation(tiny_checkpoint, tmp_path
 
 
 def test_eval_table_printed_at_the_end_of_training():
-    from imagerl.report import format_eval_table
+    from imagerl.run.report import format_eval_table
 
     records = _train_records(eval_every=2)
     for r in records:
@@ -178,7 +178,7 @@ def test_eval_table_printed_at_the_end_of_training():
 
 
 def test_reward_plot_smooths_the_train_curve_over_about_a_tenth_of_the_run():
-    from imagerl.metrics import smoothed, smoothing_window
+    from imagerl.run.metrics import smoothed, smoothing_window
 
     assert smoothed([1.0, 2.0, 3.0, 10.0], 3) == [1.5, 2.0, 5.0, 6.5]  # centred, shrinking at the ends
     assert smoothed([4.0, 5.0], 1) == [4.0, 5.0]

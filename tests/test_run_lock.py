@@ -11,12 +11,12 @@ import sys
 import pytest
 
 from conftest import tiny_config
-from imagerl.run_lock import LOCK_FILE, RunDirInUse, acquire, release
+from imagerl.run.lock import LOCK_FILE, RunDirInUse, acquire, release
 from imagerl.train import train
 
 pytestmark = pytest.mark.timeout(300)  # each test starts lock-holding processes: a hang fails, it does not stall CI
 
-HOLD = "import sys, time; from imagerl.run_lock import acquire; acquire(sys.argv[1]); print('held', flush=True); " \
+HOLD = "import sys, time; from imagerl.run.lock import acquire; acquire(sys.argv[1]); print('held', flush=True); " \
        "time.sleep(600)"
 
 

@@ -5,7 +5,7 @@ import time
 import torch
 
 from imagerl.rewards.registry import RewardBatch, RewardError
-from imagerl.scoring import AsyncScorer
+from imagerl.rewards.scoring import AsyncScorer
 
 
 class WorkScorer:

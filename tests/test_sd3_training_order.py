@@ -19,7 +19,7 @@ from conftest import tiny_config
 from imagerl.algorithms import flow_grpo as flow_grpo_module
 from imagerl.algorithms.flow_grpo import FlowGRPO, _step_log_prob, flow_grpo_update, training_order
 from imagerl.components import load_adapter, resolve_family_defaults
-from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
 from imagerl.distributed.parallel import World
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window

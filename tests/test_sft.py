@@ -13,8 +13,8 @@ from diffusers import QwenImagePipeline
 
 from imagerl.cli import main
 from imagerl.families.qwen_image import QwenImageFamily
-from imagerl.sft import SFTConfig, draw_step, export_model, load_sft_config, sft
-from imagerl.sft_data import load_examples
+from imagerl.sft.trainer import SFTConfig, draw_step, export_model, load_sft_config, sft
+from imagerl.sft.data import load_examples
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30), "yellow": (230, 220, 30)}
 CPU = torch.device("cpu")

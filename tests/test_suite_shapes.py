@@ -1,4 +1,4 @@
-"""The shapes suite's GenEval categories on synthetic images whose content is known (drawn with imagerl.synthetic),
+"""The shapes suite's GenEval categories on synthetic images whose content is known (drawn with imagerl.data.synthetic),
 and the overall score as GenEval's mean of the categories."""
 
 import math
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from imagerl.suites.shapes_suite import CATEGORIES, categories_of, score_images
-from imagerl.suites.stats import category_mean
-from imagerl.synthetic import draw, parse_caption
+from imagerl.evaluation.suites.shapes_suite import CATEGORIES, categories_of, score_images
+from imagerl.evaluation.suites.stats import category_mean
+from imagerl.data.synthetic import draw, parse_caption
 
 
 def _image(*objects):

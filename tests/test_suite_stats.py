@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from imagerl.suites.stats import paired_bootstrap, resample_indices
+from imagerl.evaluation.suites.stats import paired_bootstrap, resample_indices
 
 BASE = [0.2, 0.5, 0.9, 0.4]
 LORA = [0.3, 0.7, 0.8, 0.6]

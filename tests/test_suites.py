@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from imagerl.cli import main
-from imagerl.suites.geneval_layout import write_image
-from imagerl.suites.ocr_suite import measures_of
+from imagerl.evaluation.suites.geneval_layout import write_image
+from imagerl.evaluation.suites.ocr_suite import measures_of
 
 
 def test_ocr_measures_on_rendered_text():
@@ -18,7 +18,7 @@ def test_ocr_measures_on_rendered_text():
 
     from imagerl.config import RewardConfig
     from imagerl.rewards.ocr import OcrReward
-    from imagerl.suites.ocr_suite import score_images
+    from imagerl.evaluation.suites.ocr_suite import score_images
 
     engine = OcrReward(RewardConfig(), torch.device("cpu"))
     prompts = ['a sign that says "OPEN 24 HOURS"', 'a chalkboard that says "Hello World"',
@@ -124,7 +124,7 @@ def test_a_suite_on_the_held_out_images_scores_them_instead_of_sampling_again(ti
     same settings (before training the LoRA is zero: the base model)."""
     from conftest import tiny_config
 
-    from imagerl import evaluation
+    from imagerl.evaluation import held_out as evaluation
     from imagerl.train import train
 
     calls = []

@@ -14,10 +14,10 @@ from PIL import Image, ImageFilter
 
 from imagerl.cli import main
 from imagerl.config import RewardConfig
-from imagerl.data import load_prompt_set
+from imagerl.data.prompts import load_prompt_set
 from imagerl.rewards import REWARDS, Scorer
 from imagerl.rewards.shapes import ShapesReward, detect, label_components
-from imagerl.synthetic import (
+from imagerl.data.synthetic import (
     PALETTE,
     all_specs,
     caption_of,

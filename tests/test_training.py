@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_config
 from imagerl.algorithms.flow_grpo import _step_log_prob, kl_to_reference, ppo_clip_loss
 from imagerl.components import load_adapter, resolve_family_defaults
-from imagerl.data import GroupSampler, bundled_prompt_file, load_prompt_set
+from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
 from imagerl.distributed.parallel import World, resolve_device
 from imagerl.rollout import generate
 from imagerl.sampling import sde_window
@@ -192,7 +192,7 @@ def test_kl_to_reference_formula():
 def test_last_block_text_branch_lora_gets_no_gradient_and_is_handled(tiny_checkpoint, tmp_path):
     """The last block's text-stream outputs are discarded by the model, so its to_add_out / txt_mlp LoRA
     parameters never receive gradients; AdamW, grad clipping, rank averaging and checkpoints cope."""
-    from imagerl.checkpoint import load_checkpoint, save_checkpoint
+    from imagerl.run.checkpoint import load_checkpoint, save_checkpoint
     from imagerl.components import make_optimizer
 
     cfg = tiny_config(tiny_checkpoint, tmp_path)

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from imagerl.data import GroupSampler, PromptSet, load_prompt_set
+from imagerl.data.prompts import GroupSampler, PromptSet, load_prompt_set
 from imagerl.sampling import SDEWindow, sde_window
 from imagerl.sampling.window import validate_window
 

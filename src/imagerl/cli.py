@@ -10,7 +10,7 @@ from pathlib import Path
 
 def _train(args) -> int:
     from imagerl.config import load_config
-    from imagerl.console import quiet_other_ranks
+    from imagerl.run.console import quiet_other_ranks
     from imagerl.train import train
 
     quiet_other_ranks()  # torchrun: rank 0 prints progress and summaries
@@ -28,7 +28,7 @@ def _train(args) -> int:
             cfg.run.output_dir = args.output_dir
     run_dir = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if (run_dir / "metrics.jsonl").is_file():
-        from imagerl.report import format_eval_table, format_suite_tables, load_run
+        from imagerl.run.report import format_eval_table, format_suite_tables, load_run
 
         records = load_run(run_dir)
         for table in (format_eval_table(records), format_suite_tables(records),
@@ -44,7 +44,7 @@ def _resume_config(resume: str, output_dir: str | None, overrides: list[str]):
     """`--resume` without --recipe: the config the checkpoint was written with (its state.json), then `overrides`;
     the run directory is the checkpoint's (or --output-dir). `latest` looks in --output-dir, else in the default
     recipe's run directory."""
-    from imagerl.checkpoint import read_state, resolve_resume
+    from imagerl.run.checkpoint import read_state, resolve_resume
     from imagerl.config import config_from_dict, load_config, planned_rollouts
 
     where = Path(output_dir) if output_dir else load_config("quickstart").output_dir
@@ -66,7 +66,7 @@ def _resume_config(resume: str, output_dir: str | None, overrides: list[str]):
 def _sft(args) -> int:
     import yaml
 
-    from imagerl.sft import SFTConfig, export_model, load_sft_config, sft
+    from imagerl.sft.trainer import SFTConfig, export_model, load_sft_config, sft
 
     if args.export:
         if args.model or args.data or args.resume or args.overrides:
@@ -99,7 +99,7 @@ def _make_tiny(args) -> int:
 
 
 def _make_synthetic(args) -> int:
-    from imagerl.synthetic import generate_dataset
+    from imagerl.data.synthetic import generate_dataset
 
     out = generate_dataset(args.out_dir, args.n, seed=args.seed, size=args.size, num_test_prompts=args.num_test_prompts)
     print(f"wrote {args.n} images to {out / 'images'}, {out / 'captions.jsonl'}, {out / 'prompts_train.txt'}, "
@@ -131,7 +131,7 @@ def _recipes(args) -> int:
 
 
 def _report(args) -> int:
-    from imagerl.report import write_report
+    from imagerl.run.report import write_report
 
     table, paths = write_report(Path(args.run_dir), phases=not args.no_phases)
     print(table)
@@ -142,11 +142,11 @@ def _report(args) -> int:
 
 def _eval(args) -> int:
     if args.suite:
-        from imagerl.suites.run import cli_suite
+        from imagerl.evaluation.suites.run import cli_suite
 
         cli_suite(args)
         return 0
-    from imagerl.evaluation import cli_evaluate
+    from imagerl.evaluation.held_out import cli_evaluate
 
     if not args.prompts:
         raise ValueError("give --prompts FILE (or a shipped set), or --suite NAME (imagerl eval --help lists both)")
@@ -160,7 +160,7 @@ def _eval(args) -> int:
 
 
 def _build_quickstart_model(args) -> int:
-    from imagerl.quickstart_model import build_quickstart_model
+    from imagerl.families.quickstart_model import build_quickstart_model
 
     build_quickstart_model(args.directory, args.work_dir, num_images=args.num_images, seed=args.seed,
                            vae_steps=args.vae_steps, sft_steps=args.sft_steps, sft_batch=args.sft_batch,
@@ -184,7 +184,7 @@ def _bench(args) -> int:
 
 
 def _convert_checkpoint(args) -> int:
-    from imagerl.checkpoint_convert import convert_checkpoint
+    from imagerl.run.checkpoint_convert import convert_checkpoint
 
     for path in args.checkpoints:
         print(f"converting {path} (reading format 1 unpickles its dcp/ files: only for checkpoints you trust)")
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-test-prompts", type=int, default=64, help="held-out captions in prompts_test.txt (default 64)")
     p.set_defaults(fn=_make_synthetic)
     p = sub.add_parser("build-quickstart-model", help="build the small pretrained shapes-world model (synthetic "
-                                                      "data, VAE training, SFT); see imagerl/quickstart_model.py")
+                                                      "data, VAE training, SFT); see imagerl/families/quickstart_model.py")
     p.add_argument("directory")
     p.add_argument("--work-dir", default="runs/quickstart-model-build")
     p.add_argument("--num-images", type=int, default=4096)
@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from imagerl.rewards import RewardError
 
-    from imagerl.console import quiet_harmless_warnings, quiet_library_progress
+    from imagerl.run.console import quiet_harmless_warnings, quiet_library_progress
 
     args = build_parser().parse_args(argv)
     quiet_harmless_warnings()

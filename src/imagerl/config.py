@@ -99,7 +99,7 @@ class DataConfig:
     split_seed: int = 0
     mixture: list[MixtureSet] = field(default_factory=list)
     """Several prompt sets instead of train_prompts, each with its rewards and its share of every rollout
-    (imagerl.mixture): a group never mixes sets, each image is scored by its own set's rewards, and each set gets
+    (imagerl.data.mixture): a group never mixes sets, each image is scored by its own set's rewards, and each set gets
     rollout/set/<name>/* metrics. reward.weights becomes the union of the sets' rewards (what is loaded; the
     held-out evaluation of data.test_prompts scores with it); the sets' test_prompts replace data.test_prompts."""
 
@@ -317,14 +317,14 @@ class EvalConfig:
     suites: list[str] = field(default_factory=list)
     """Evaluation suites run at each evaluation beside the held-out reward, on the weights evaluation uses:
     shapes, ocr, geneval (images only, under <run>/suites/geneval/step_N/), reward:NAME (on data.test_prompts);
-    metrics eval/suite/<suite>/<measure> (imagerl.suites; `imagerl eval --suite` compares finished runs)."""
+    metrics eval/suite/<suite>/<measure> (imagerl.evaluation.suites; `imagerl eval --suite` compares finished runs)."""
     suite_max_prompts: int = 0
     """Only the first N prompts of each suite (0: all of them)."""
 
 
 @dataclass
 class MonitorConfig:
-    """Drift monitors of each rollout's images (imagerl.monitors: saturation, contrast, edge density, colour entropy,
+    """Drift monitors of each rollout's images (imagerl.run.monitors: saturation, contrast, edge density, colour entropy,
     dark / bright fractions, JPEG size), logged as monitor/<name> and monitor/<name>_drift."""
 
     enabled: bool = True
@@ -587,3 +587,8 @@ def planned_rollouts(run_dir: Path) -> tuple[int, Path] | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value, path
     return None
+
+
+def training_batch_size(cfg: "Config") -> int:
+    """Samples per training forward (train.batch_size, 0 meaning sample.batch_size)."""
+    return cfg.train.batch_size or cfg.sample.batch_size

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from imagerl.config import Config
-from imagerl.data import PromptGroups
+from imagerl.data.prompts import PromptGroups
 from imagerl.distributed.rng import make_generator
 from imagerl.families.layers.merged_lora import MergedLora
 from imagerl.sampling import SDEWindow, flow_sde_step, flow_timesteps
 from imagerl.sampling.window import off_window_solver, step_grid
 from imagerl.sampling.ode import ODESolverState, ode_step
-from imagerl.validation import training_batch_size
+from imagerl.config import training_batch_size
 
 
 @dataclass

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from imagerl.checkpoint import check_lora_dir, load_lora
+from imagerl.run.checkpoint import check_lora_dir, load_lora
 from imagerl.components import resolve_dtype, resolve_model_path
 from imagerl.distributed.parallel import resolve_device
 from imagerl.distributed.rng import make_generator
 from imagerl.families.registry import family_class
-from imagerl.model_defaults import model_defaults
+from imagerl.families.model_defaults import model_defaults
 from imagerl.rollout import ode_sample
 
 

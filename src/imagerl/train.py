@@ -8,28 +8,29 @@ from pathlib import Path
 
 import torch
 
+from imagerl.data import load_train_test
 from imagerl.algorithms import make_algorithm
 from imagerl.algorithms.advantages import rollout_advantages
 from imagerl.algorithms.base import NonFiniteError
-from imagerl.best_checkpoint import is_new_best, write_best
-from imagerl.checkpoint import (check_resume_config, load_checkpoint, prune_checkpoints, read_state, resolve_resume,
+from imagerl.run.best_checkpoint import is_new_best, write_best
+from imagerl.run.checkpoint import (check_resume_config, load_checkpoint, prune_checkpoints, read_state, resolve_resume,
                                 save_checkpoint)
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
-from imagerl.console import format_duration, quiet_library_progress
-from imagerl.data import load_train_test
+from imagerl.run.console import format_duration, quiet_library_progress
 from imagerl.distributed.fsdp import apply_parallelism, set_deterministic
 from imagerl.distributed.parallel import init_world, resolve_device
-from imagerl.gc_freeze import GCFreeze
-from imagerl.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
+from imagerl.run.gc_freeze import GCFreeze
+from imagerl.run.metrics import (MetricsLogger, PhaseTimer, memory_metrics, plot_reward_curve, progress_bar,
                              read_metrics, require_wandb, save_image_grid)
-from imagerl.mixture import make_sampler, sample_weights, set_ids, set_metrics, set_weights
+from imagerl.data.mixture import make_sampler, sample_weights, set_ids, set_metrics, set_weights
 from imagerl.perf.memory_estimate import check_memory
 from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
-from imagerl.run_lock import hold_run_dir
-from imagerl.scoring import AsyncScorer, ScoredRollout
-from imagerl.validation import check_fresh_run_dir, validate
+from imagerl.run.lock import hold_run_dir
+from imagerl.rewards.scoring import AsyncScorer, ScoredRollout
+from imagerl.run.lock import check_fresh_run_dir
+from imagerl.validation import validate
 
 
 def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Path:
@@ -176,7 +177,7 @@ def _warn_if_slow_on_cpu(cfg: Config, world) -> None:
     import sys
 
     from imagerl.components import resolve_model_path
-    from imagerl.cpu_estimate import cpu_rollout_warning
+    from imagerl.run.cpu_estimate import cpu_rollout_warning
     from imagerl.families.registry import family_class
 
     try:
@@ -209,7 +210,7 @@ def _drift_monitor(cfg: Config, run_dir: Path, start: int, world):
     """monitor(done, images, metrics, write) -> stop?, adding monitor/* to metrics (this rank's images) and writing
     warnings on rank 0; None when monitor.enabled is off. A resumed run takes its reference (rollout 1's means and
     spreads) from metrics.jsonl."""
-    from imagerl.monitors import MONITORS, DriftMonitor
+    from imagerl.run.monitors import MONITORS, DriftMonitor
 
     if not cfg.monitor.enabled:
         return None
@@ -246,7 +247,7 @@ def _report_cpu_rollout_time(cfg: Config, adapter, world) -> None:
     measures (the same forward), rank 0 prints."""
     import sys
 
-    from imagerl.cpu_estimate import measured_rollout_message
+    from imagerl.run.cpu_estimate import measured_rollout_message
 
     line, slow = measured_rollout_message(adapter, cfg, world.size)
     if world.is_main:
@@ -269,7 +270,7 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
     """maybe_eval(done, force=False) -> eval metrics every eval.interval rollouts and after the last one.
     A failing eval reward saves the state after rollout `done` first, so the update is not lost."""
 
-    from imagerl.suites.run import TrainingSuites
+    from imagerl.evaluation.suites.run import TrainingSuites
 
     suites = TrainingSuites(cfg, world, test_set) if cfg.eval.suites else None
 
@@ -277,8 +278,8 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
         due = cfg.eval.interval and (done % cfg.eval.interval == 0 or done == cfg.train.num_rollouts)
         if (test_set is None and suites is None) or not (force or due):
             return {}
-        from imagerl.console import interactive
-        from imagerl.evaluation import eval_settings, evaluate
+        from imagerl.run.console import interactive
+        from imagerl.evaluation.held_out import eval_settings, evaluate
 
         if world.is_main and not interactive():  # a log has no bar: say what the next minutes are spent on
             held_out = (f"{eval_settings(cfg, adapter, test_set).num_prompts} held-out prompts"

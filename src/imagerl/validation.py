@@ -4,13 +4,12 @@ be checked before a model loads, with an error that says how to fix it."""
 from __future__ import annotations
 
 import math
-import os
-import string
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
-from imagerl.config import Config
+from imagerl.config import Config, training_batch_size
+from imagerl.distributed.parallel import validate_parallel
+from imagerl.run.lock import validate_output_dir
 
 LATENT_PIXELS = 16  # sample.height/width step: VAE factor 8 x patch size 2 (QwenImageAdapter.latent_grid)
 
@@ -27,11 +26,6 @@ class BatchPlan:
     samples_per_optimizer_step: int  # over all ranks
 
 
-def training_batch_size(cfg: Config) -> int:
-    """Samples per training forward (train.batch_size, 0 meaning sample.batch_size)."""
-    return cfg.train.batch_size or cfg.sample.batch_size
-
-
 def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     """Check every setting that can be checked before loading a model; ValueError says how to fix it."""
     s, t = cfg.sample, cfg.train
@@ -46,7 +40,7 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key} must be >= 1, got {value}")
-    from imagerl.mixture import check_mixture
+    from imagerl.data.mixture import check_mixture
 
     check_mixture(cfg)  # data.mixture; reward.weights becomes the union of its sets' rewards
     if not cfg.model.prompt_cache_gib > 0 or cfg.model.prompt_cache_size < 1:
@@ -99,7 +93,7 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         if not 0 <= value < 1:
             raise ValueError(f"{key} must be in [0, 1) (an Adam moment decay), got {value}")
     if cfg.eval.suites:
-        from imagerl.suites.run import check_suite_names
+        from imagerl.evaluation.suites.run import check_suite_names
 
         check_suite_names(cfg.eval.suites)
         if cfg.eval.interval <= 0 and not cfg.eval.before_training:
@@ -178,75 +172,3 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         )
     return BatchPlan(samples, s.prompts_per_rollout // world_size, per_rank, batches,
                      batches // t.num_optimizer_steps, samples // t.num_optimizer_steps)
-
-
-def validate_output_dir(cfg: Config) -> Path:
-    """run.output_dir formats (only {recipe}), and a recipe name put into it cannot leave its parent directory."""
-    out = cfg.output_dir  # ValueError for an unknown or malformed placeholder
-    uses_recipe = any(field is not None for _, field, _, _ in string.Formatter().parse(cfg.run.output_dir))
-    if uses_recipe and (not cfg.recipe or any(bad in cfg.recipe for bad in ("/", "\\", ".."))):
-        raise ValueError(f"recipe name {cfg.recipe!r} cannot be used in run.output_dir={cfg.run.output_dir!r}: it is "
-                         "empty or contains '/', '\\' or '..', so the run directory would leave its parent; rename the "
-                         "recipe or set run.output_dir (--output-dir) to a path without {recipe}")
-    return out
-
-
-def check_output_dir(path) -> Path:
-    """Create the run directory if needed and write and remove a probe file in it, before any model loads: an
-    unwritable path or a full disk is a ValueError naming the path and the OS reason."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"run.output_dir {path} is a file, not a directory; choose another with --output-dir")
-    probe = path / f".imagerl_write_probe_{os.getpid()}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"imagerl")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"run.output_dir {path} is not writable: {e}; choose another with --output-dir") from e
-    return path
-
-
-# what `imagerl train` writes in a run directory (--overwrite removes these and nothing else)
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "images", "checkpoints", "plots", "config.yaml", "config.resumed_*.yaml")
-
-
-def check_fresh_run_dir(path, overwrite: bool) -> None:
-    """A new run (no --resume) refuses a run directory that already holds files: a second `imagerl train` would
-    overwrite its checkpoints, grids and plots and append a second history to metrics.jsonl. overwrite=True
-    removes imagerl's outputs (RUN_OUTPUTS) first; other files are left alone. Call on rank 0 only."""
-    import shutil
-
-    from imagerl.run_lock import LOCK_FILE
-
-    path = Path(path)
-    present = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
-    if not present:  # absent, empty, or only the lock file (this run's, or one a finished run left)
-        return
-    ours = sorted({p for pattern in RUN_OUTPUTS for p in path.glob(pattern)})
-    if not overwrite:
-        held = ", ".join(p.name for p in ours[:4]) or ", ".join(present[:4])
-        raise FileExistsError(f"{path} already holds a run ({held}); continue it with `--resume latest` (same "
-                              f"--recipe/--output-dir), start over with --overwrite (deletes its checkpoints, "
-                              f"metrics, images and plots), or choose another --output-dir")
-    for p in ours:
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-
-
-def validate_parallel(cfg: Config, world_size: int) -> str:
-    """Check the parallel.* section; return the effective strategy: "fsdp", "replicate" or "none" (one process)."""
-    p = cfg.parallel
-    choices = {"parallel.strategy": (p.strategy, ("auto", "fsdp", "replicate")),
-               "parallel.reduce_dtype": (p.reduce_dtype, ("float32", "bfloat16")),
-               "parallel.text_encoder": (p.text_encoder, ("auto", "shard", "replicate"))}
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
-    if p.text_encoder_shard_min_params < 0:
-        raise ValueError(f"parallel.text_encoder_shard_min_params must be >= 0, got {p.text_encoder_shard_min_params}")
-    if world_size == 1:
-        return "none"
-    strategy = "fsdp" if p.strategy == "auto" else p.strategy
-    if p.text_encoder == "shard" and strategy != "fsdp":
-        raise ValueError("parallel.text_encoder=shard needs parallel.strategy=fsdp (or auto with several ranks)")
-    return strategy

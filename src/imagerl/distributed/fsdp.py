@@ -29,7 +29,7 @@ import torch
 
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
-from imagerl.validation import validate_parallel
+from imagerl.distributed.parallel import validate_parallel
 
 
 def apply_parallelism(adapter, cfg: Config, world: World) -> str:

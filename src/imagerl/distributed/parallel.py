@@ -97,3 +97,22 @@ def _destroy_process_group() -> None:
     exception", pytorch/pytorch#190489) and NCCL warns that it was not destroyed."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def validate_parallel(cfg, world_size: int) -> str:
+    """Check the parallel.* section; return the effective strategy: "fsdp", "replicate" or "none" (one process)."""
+    p = cfg.parallel
+    choices = {"parallel.strategy": (p.strategy, ("auto", "fsdp", "replicate")),
+               "parallel.reduce_dtype": (p.reduce_dtype, ("float32", "bfloat16")),
+               "parallel.text_encoder": (p.text_encoder, ("auto", "shard", "replicate"))}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+    if p.text_encoder_shard_min_params < 0:
+        raise ValueError(f"parallel.text_encoder_shard_min_params must be >= 0, got {p.text_encoder_shard_min_params}")
+    if world_size == 1:
+        return "none"
+    strategy = "fsdp" if p.strategy == "auto" else p.strategy
+    if p.text_encoder == "shard" and strategy != "fsdp":
+        raise ValueError("parallel.text_encoder=shard needs parallel.strategy=fsdp (or auto with several ranks)")
+    return strategy

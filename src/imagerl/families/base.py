@@ -148,6 +148,24 @@ def load_text_encoders(path: Path, specs, dtype) -> tuple[list, list]:
     return encoders, tokenizers
 
 
+def load_transformer_and_vae(path: Path, transformer_cls, vae_cls, dtype) -> tuple[dict, torch.nn.Module, torch.nn.Module]:
+    """A diffusers-layout checkpoint's scheduler config, its transformer (in `dtype`) and its VAE (float32: the
+    pipelines decode in the VAE's own precision, and model.vae_dtype casts it later)."""
+    scheduler_config = read_json(path / "scheduler" / "scheduler_config.json")
+    with loading(path, "transformer"):
+        transformer = transformer_cls.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+    with loading(path, "vae"):
+        vae = vae_cls.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+    return scheduler_config, transformer, vae
+
+
+def plain_cfg(pred_rows: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance of rows [cond; uncond]: u + s (c - u), diffusers' plain combine; the gradient flows
+    through both rows, s d(c) + (1 - s) d(u)."""
+    c, u = pred_rows.chunk(2)
+    return u + guidance_scale * (c - u)
+
+
 def cfg_rows(true_cfg: bool, guidance_scale: float | None) -> int:
     """Transformer rows per sample: 2 under true CFG with guidance_scale > 1 (the negative prompt's row beside the
     prompt's), else 1 (no CFG, or a guidance-distilled family whose guidance is an input)."""

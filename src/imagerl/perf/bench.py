@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 
 from imagerl.perf.bench_rows import Row, format_table, iteration_record, make_row
+from imagerl.perf.family_parts import MODULE_FAMILIES, _forward_flops, family_module
 
 FAMILIES = ("qwen_image", "qwen_image21", "sd3", "flux")
-# families whose bench parts (released-size build, adapter, baseline, FLOPs, geometry) live in perf/bench_<family>.py
-MODULE_FAMILIES = ("sd3", "flux")
 RECIPES = {"qwen_image": "qwen_image_jpeg", "qwen_image21": "qwen_image21_jpeg", "sd3": "sd3_5_ocr", "flux": "flux_ocr"}
 NFT_RECIPES = {"qwen_image": "qwen_image_nft_ocr", "qwen_image21": "qwen_image21_nft_ocr", "sd3": "sd3_5_nft_ocr",
                "flux": "flux_ocr"}
@@ -62,13 +61,6 @@ DEFAULT_VARIANTS = {
 }
 
 
-def family_module(family: str):
-    """perf/bench_<family>.py for the families in MODULE_FAMILIES, else None (Qwen-Image's parts are here)."""
-    import importlib
-
-    return importlib.import_module(f"imagerl.perf.bench_{family}") if family in MODULE_FAMILIES else None
-
-
 def geometry(family: str, dry: bool) -> list[str]:
     """The bench geometry's overrides for the family (its module's settings after the shared ones)."""
     module = family_module(family)
@@ -90,7 +82,7 @@ BASELINE21_BATCH_SIZE, BASELINE21_TRAIN_BATCH_SIZE = 8, 4  # miles-diffusion's 1
 
 
 def _prompts() -> list[str]:
-    from imagerl.data import bundled_prompt_file, load_prompts
+    from imagerl.data.prompts import bundled_prompt_file, load_prompts
 
     shared = Path(__file__).resolve().parents[3] / ".." / "shared" / "datasets" / "ocr" / "prompts.txt"
     return load_prompts(shared if shared.is_file() else bundled_prompt_file())[:64]
@@ -98,7 +90,7 @@ def _prompts() -> list[str]:
 
 def _peak_gib(device: torch.device) -> float:
     """Peak GPU memory since the last call (metrics.memory_metrics reads and resets it); nan on a CPU."""
-    from imagerl.metrics import memory_metrics
+    from imagerl.run.metrics import memory_metrics
 
     return memory_metrics(device).get("memory/peak_allocated_gib", float("nan"))
 
@@ -106,24 +98,6 @@ def _peak_gib(device: torch.device) -> float:
 def _alloc_retries(device: torch.device) -> int:
     """The caching allocator's cudaMalloc retries so far (each one a cache flush and a stall); 0 on a CPU."""
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
-
-
-def _forward_flops(family: str, transformer, image_tokens: int, text_tokens: list[int], lora_rank: int, targets,
-                   cached: bool = False) -> int:
-    """Analytic FLOPs of one guided velocity for one sample: one forward per row (cond, and uncond with CFG);
-    cached: a KV-cached qwen_image21 rollout step."""
-    from imagerl.perf import flops
-
-    module = family_module(family)
-    if module:
-        return module.forward_flops(transformer, image_tokens, text_tokens, lora_rank, targets, cached=cached)
-    if family == "qwen_image":
-        dims = flops.QwenImageDims.from_config(transformer.config)
-        return sum(flops.qwen_image_forward_flops(dims, image_tokens, length, lora_rank, tuple(targets))
-                   for length in text_tokens)
-    dims = flops.QwenImage21Dims.from_config(transformer.config)
-    return sum(flops.qwen_image21_forward_flops(dims, image_tokens, length, lora_rank, tuple(targets), cached=cached)
-               for length in text_tokens)
 
 
 def variant_config(family: str, base_overrides: list[str], overrides: list[str]):
@@ -251,12 +225,12 @@ class Bench:
         from imagerl.algorithms.advantages import rollout_advantages
         from imagerl.algorithms.diffusion_nft import trained_timesteps
         from imagerl.components import make_optimizer, prepare_adapter, resolve_family_defaults
-        from imagerl.data import PromptGroups
+        from imagerl.data.prompts import PromptGroups
         from imagerl.distributed.fsdp import apply_parallelism
         from imagerl.distributed.parallel import World
-        from imagerl.gc_freeze import GCFreeze
-        from imagerl.metrics import PhaseTimer
-        from imagerl.scoring import AsyncScorer
+        from imagerl.run.gc_freeze import GCFreeze
+        from imagerl.run.metrics import PhaseTimer
+        from imagerl.rewards.scoring import AsyncScorer
 
         cfg = self.config(overrides)
         adapter = prepare_adapter(self.new_adapter(), cfg)  # as components.load_adapter, on the shared modules
@@ -312,7 +286,7 @@ class Bench:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         from imagerl.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
-        from imagerl.metrics import gc_pauses
+        from imagerl.run.metrics import gc_pauses
 
         def reward_fn(images, prompts):
             return self.scorer.score(images, prompts, [{}] * len(prompts)).total_B.float()

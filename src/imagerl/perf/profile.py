@@ -19,9 +19,9 @@ from torch.profiler import ProfilerActivity, profile
 from imagerl.components import prepare_adapter, resolve_family_defaults
 from imagerl.distributed.fsdp import apply_parallelism
 from imagerl.distributed.parallel import World
-from imagerl.metrics import PhaseTimer
+from imagerl.run.metrics import PhaseTimer
 from imagerl.rollout import _training_graph, batch_conditioning
-from imagerl.validation import training_batch_size
+from imagerl.config import training_batch_size
 
 
 KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention")),
@@ -47,7 +47,7 @@ def _dynamo_graphs() -> int:
 def _step_flops(bench, cfg, adapter, text_lengths: list[int], n: int, phase: str) -> int:
     """Model FLOPs of the profiled step (the bench's count, perf/bench.py): n samples' forwards; merged: without
     the LoRA's matmuls; training: forward + backward [+ the recomputed blocks' forward]."""
-    from imagerl.perf.bench import _forward_flops
+    from imagerl.perf.family_parts import _forward_flops
     from imagerl.perf.flops import training_flops
     from imagerl.perf.memory_estimate import checkpointed_blocks
 

@@ -25,6 +25,8 @@ import torch
 
 from imagerl.config import RewardConfig
 
+MIXTURE_KEY = "mixture_set"  # data.mixture: the metadata key naming an image's prompt set
+
 REWARDS: dict[str, Callable] = {}
 
 
@@ -103,8 +105,8 @@ class Scorer:
 
     def __init__(self, cfg: RewardConfig, device: torch.device | str = "cpu",
                  set_weights: dict[str, dict[str, float]] | None = None):
-        """set_weights (data.mixture, imagerl.mixture): {set name: its weights}; an image whose metadata names its
-        set (mixture.MIXTURE_KEY) is scored by that set's rewards only, weighted by them (its other components
+        """set_weights (data.mixture, imagerl.data.mixture): {set name: its weights}; an image whose metadata names its
+        set (MIXTURE_KEY) is scored by that set's rewards only, weighted by them (its other components
         NaN); an image without a set by cfg.weights. cfg.weights must hold every set's rewards (they load once)."""
         if not isinstance(cfg, RewardConfig):
             raise TypeError(f"Scorer takes the RewardConfig (cfg.reward), got {type(cfg).__name__}")
@@ -122,8 +124,6 @@ class Scorer:
 
     def _weights_of(self, metadata: list[dict] | None, n: int) -> list[dict[str, float]]:
         """Each image's reward weights: its set's (data.mixture), else reward.weights."""
-        from imagerl.mixture import MIXTURE_KEY
-
         if not self.set_weights:
             return [self.weights] * n
         return [self.set_weights.get((m or {}).get(MIXTURE_KEY), self.weights) for m in (metadata or [{}] * n)]

@@ -1,10 +1,10 @@
-"""Shapes-world reward: a rule checks that an image shows what its caption says (imagerl.synthetic, docs/shapes_world.md).
+"""Shapes-world reward: a rule checks that an image shows what its caption says (imagerl.data.synthetic, docs/shapes_world.md).
 
 No model: the image is segmented by color, its objects are found and classified, and the caption's spec is
 scored with GenEval-style partial credit. Images float [0, 1], any size (the thresholds are relative).
 
 The spec: `metadata["spec"]` when the record has one (a captions.jsonl line), else the prompt parsed by
-`imagerl.synthetic.parse_caption`. A record with a spec may have a prompt outside the grammar (a
+`imagerl.data.synthetic.parse_caption`. A record with a spec may have a prompt outside the grammar (a
 paraphrase), but a prompt that parses to a different spec is an error. Prompts outside the grammar without
 a spec fail `validate_prompts` (ValueError naming the prompt).
 
@@ -43,7 +43,7 @@ import torch
 
 from imagerl.config import RewardConfig
 from imagerl.rewards.registry import register_reward
-from imagerl.synthetic import BACKGROUND, PALETTE, SHAPES, check_spec, parse_caption
+from imagerl.data.synthetic import BACKGROUND, PALETTE, SHAPES, check_spec, parse_caption
 
 COLOR_THRESHOLD = 0.5
 MIN_AREA_FRACTION = 0.008

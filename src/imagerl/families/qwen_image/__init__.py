@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from imagerl.families.base import (Conditioning, PackedLatentFamily, PromptCache, check_components,
-                                   group_rows_by_length, loading, read_json, read_model_index)
+                                   group_rows_by_length, load_transformer_and_vae, loading, read_model_index)
 from imagerl.families.registry import register_family
 from imagerl.families.layers.vae_single_frame import single_frame_convs
 
@@ -109,11 +109,7 @@ class QwenImageFamily(PackedLatentFamily):
         check_components(path, read_model_index(path), COMPONENTS)
         if not (path / "tokenizer").is_dir():
             raise ValueError(f"{path} lacks the tokenizer/ folder of a Qwen-Image checkpoint")
-        scheduler_config = read_json(path / "scheduler" / "scheduler_config.json")
-        with loading(path, "transformer"):
-            transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        with loading(path, "vae"):
-            vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+        scheduler_config, transformer, vae = load_transformer_and_vae(path, QwenImageTransformer2DModel, AutoencoderKLQwenImage, dtype)
         with loading(path, "text_encoder"):
             text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
         with loading(path, "tokenizer"):

@@ -45,7 +45,7 @@ TINY_Z_DIM = 4  # VAE latent channels; transformer in_channels = 4 * z_dim after
 
 
 def _bundled_prompts() -> list[str]:
-    from imagerl.data import load_prompts, bundled_prompt_file
+    from imagerl.data.prompts import load_prompts, bundled_prompt_file
 
     return load_prompts(bundled_prompt_file())
 

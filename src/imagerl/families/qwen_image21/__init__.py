@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from imagerl.families.base import (FamilyAdapter, PromptCache, check_components, group_rows_by_length, loading, read_json,
-                                   read_model_index)
+from imagerl.families.base import (FamilyAdapter, PromptCache, check_components, group_rows_by_length,
+                                   load_transformer_and_vae, loading, plain_cfg, read_model_index)
 from imagerl.families.registry import register_family
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
@@ -156,11 +156,7 @@ class QwenImage21Family(FamilyAdapter):
         path = Path(path)
         index = read_model_index(path)
         check_components(path, index, COMPONENTS)
-        scheduler_config = read_json(path / "scheduler" / "scheduler_config.json")
-        with loading(path, "transformer"):
-            transformer = QwenImage21Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        with loading(path, "vae"):
-            vae = AutoencoderKLQwenImage21.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+        scheduler_config, transformer, vae = load_transformer_and_vae(path, QwenImage21Transformer2DModel, AutoencoderKLQwenImage21, dtype)
         with loading(path, "text_encoder"):
             text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
         with loading(path, "processor"):
@@ -263,8 +259,7 @@ class QwenImage21Family(FamilyAdapter):
         pred = torch.cat(preds)[cond.inverse]
         if not cond.cfg:
             return pred
-        c, u = pred.chunk(2)
-        return u + cond.guidance_scale * (c - u)
+        return plain_cfg(pred, cond.guidance_scale)
 
     @torch.no_grad()
     def encode_images(self, images_B3HW: torch.Tensor) -> torch.Tensor:

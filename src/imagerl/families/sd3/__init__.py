@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from imagerl.families.base import Conditioning, FamilyAdapter, check_components, load_text_encoders, loading, \
-    read_json, read_model_index
+from imagerl.families.base import Conditioning, FamilyAdapter, check_components, load_text_encoders, \
+    load_transformer_and_vae, plain_cfg, read_model_index
 from imagerl.families.registry import register_family
 
 COMPONENTS = {
@@ -71,11 +71,7 @@ class SD3Family(FamilyAdapter):
 
         path = Path(path)
         check_components(path, read_model_index(path), COMPONENTS)
-        scheduler_config = read_json(path / "scheduler" / "scheduler_config.json")
-        with loading(path, "transformer"):
-            transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        with loading(path, "vae"):
-            vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+        scheduler_config, transformer, vae = load_transformer_and_vae(path, SD3Transformer2DModel, AutoencoderKL, dtype)
         encoders, tokenizers = load_text_encoders(path, (
             ("text_encoder", "tokenizer", CLIPTextModelWithProjection, AutoTokenizer),
             ("text_encoder_2", "tokenizer_2", CLIPTextModelWithProjection, AutoTokenizer),
@@ -180,10 +176,9 @@ class SD3Family(FamilyAdapter):
         pred = pred.flatten(2).transpose(1, 2)
         if not cond.cfg:
             return pred
-        c, u = pred.chunk(2)
         # both rows carry the gradient, s d(c) + (1 - s) d(u): flow_grpo scripts/train_sd3.py compute_log_prob at
         # 9745241 (the uncond detach of 2d76907 was removed by a482878, "fix cfg gradient detach")
-        return u + cond.guidance_scale * (c - u)
+        return plain_cfg(pred, cond.guidance_scale)
 
     @torch.no_grad()
     def encode_images(self, images_B3HW: torch.Tensor) -> torch.Tensor:

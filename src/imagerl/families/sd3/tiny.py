@@ -22,7 +22,7 @@ TEXT_WIDTH = 32
 
 
 def _corpus() -> list[str]:
-    from imagerl.data import bundled_prompt_file, load_prompts
+    from imagerl.data.prompts import bundled_prompt_file, load_prompts
 
     return load_prompts(bundled_prompt_file()) + ["a red circle above a blue square", "a photo of a cat"]
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from imagerl.data import PromptSet, load_prompt_set, resolve_prompt_file
+from imagerl.data.prompts import PromptSet, load_prompt_set, resolve_prompt_file
 
 
 @dataclass
@@ -42,13 +42,13 @@ def build_suite(name: str, prompts: str | PromptSet | None = None, reward_cfg=No
     """The suite called `name` (SUITE_NAMES); `prompts` (a file, a shipped set's name or a PromptSet) replaces its
     prompt set (required for reward:NAME)."""
     if name == "shapes":
-        from imagerl.suites.shapes_suite import CATEGORIES, score_images
+        from imagerl.evaluation.suites.shapes_suite import CATEGORIES, score_images
 
         return Suite(name, _prompts(prompts or "shapes-test"), 4, CATEGORIES, score_images,
                      "GenEval's categories on the shapes world (arXiv 2310.11513)", overall=True)
     if name == "ocr":
         from imagerl.rewards.ocr import OcrReward
-        from imagerl.suites.ocr_suite import MEASURES, score_images
+        from imagerl.evaluation.suites.ocr_suite import MEASURES, score_images
 
         engine = OcrReward(reward_cfg, device)
         prompt_set = _prompts(prompts or "ocr-test")

@@ -1,7 +1,7 @@
 """GenEval's categories on the shapes world (GenEval: Ghosh et al., NeurIPS 2023, arXiv 2310.11513; its table reports
 each task's share of images that pass and the overall score as the mean of the tasks).
 
-The category is read from the caption's structure (imagerl.synthetic's grammar) and each image is checked on the
+The category is read from the caption's structure (imagerl.data.synthetic's grammar) and each image is checked on the
 objects the shapes reward detects (imagerl.rewards.shapes.detect: colour segmentation, shape by template IoU):
 
 | category | captions | an image passes when (GenEval's rule it mirrors) |

@@ -121,31 +121,6 @@ def split_prompt_set(prompt_set: PromptSet, test_fraction: float, seed: int) -> 
     return _subset(prompt_set, train), _subset(prompt_set, test)
 
 
-def load_train_test(data_cfg) -> tuple[PromptSet, PromptSet | None]:
-    """The training prompts and the held-out prompts (None when data.test_prompts is empty).
-
-    data.train_prompts: a named set (NAMED_PROMPT_SETS) or a .txt/.jsonl file. data.test_prompts: "" (no
-    evaluation), "split" (hold out data.test_fraction of the train file's distinct prompts, seeded by
-    data.split_seed; training then uses the rest), a named set or a .txt/.jsonl file. With data.mixture: its sets'
-    prompts, tagged with their set (imagerl.mixture.load_mixture)."""
-    if data_cfg.mixture:
-        from imagerl.mixture import load_mixture
-
-        return load_mixture(data_cfg)
-    train_file = resolve_prompt_file(data_cfg.train_prompts)
-    train = load_prompt_set(train_file)
-    if not data_cfg.test_prompts:
-        return train, None
-    if data_cfg.test_prompts == "split":
-        train, test = split_prompt_set(train, data_cfg.test_fraction, data_cfg.split_seed)
-        if not len(train):
-            raise ValueError(f"data.test_prompts=split: {train_file} has a single distinct prompt, nothing is left "
-                             "to train on; give more prompts or a separate data.test_prompts file")
-        return train, repeat_prompts(test, data_cfg.test_samples_per_prompt)
-    test = load_prompt_set(resolve_prompt_file(data_cfg.test_prompts), key="data.test_prompts")
-    return train, repeat_prompts(test, data_cfg.test_samples_per_prompt)
-
-
 def repeat_prompts(prompt_set: PromptSet, k: int) -> PromptSet:
     """Each prompt k times in a row (prompt i becomes entries i*k .. i*k + k - 1: evaluation gives every entry its
     own noise, so these are k samples of one prompt)."""
@@ -176,6 +151,20 @@ class PromptGroups:
     group_ids_G: list[int]
 
 
+def permuted_slots(n: int, slots: range, seed: int, purpose: str) -> list[int]:
+    """Indices in [0, n) drawn at consecutive slots: slot s is position s mod n of the permutation of pass s // n,
+    seeded by (seed, purpose, pass); without replacement within a pass, and the same from any starting slot (a
+    resumed run, another rank)."""
+    perms: dict[int, list[int]] = {}
+    out = []
+    for slot in slots:
+        epoch, pos = divmod(slot, n)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=make_generator(seed, purpose, epoch)).tolist()
+        out.append(perms[epoch][pos])
+    return out
+
+
 class GroupSampler:
     """Hands each rank complete prompt groups; all ranks agree on the global list.
 
@@ -190,21 +179,10 @@ class GroupSampler:
         self.prompt_set, self.num_prompts, self.seed = prompt_set, prompts_per_rollout, seed
         self.rank, self.world_size = rank, world_size
 
-    def _permutation(self, epoch: int) -> list[int]:
-        gen = make_generator(self.seed, "prompt_order", epoch)
-        return torch.randperm(len(self.prompt_set), generator=gen).tolist()
-
     def groups_for(self, step: int) -> PromptGroups:
-        n = len(self.prompt_set)
         per_rank = self.num_prompts // self.world_size
         first = step * self.num_prompts + self.rank * per_rank
-        perms: dict[int, list[int]] = {}
-        indices = []
-        for slot in range(first, first + per_rank):
-            epoch, pos = divmod(slot, n)
-            if epoch not in perms:
-                perms[epoch] = self._permutation(epoch)
-            indices.append(perms[epoch][pos])
+        indices = permuted_slots(len(self.prompt_set), range(first, first + per_rank), self.seed, "prompt_order")
         group_ids = list(range(self.rank * per_rank, (self.rank + 1) * per_rank))
         return PromptGroups(
             [self.prompt_set.prompts[i] for i in indices], [self.prompt_set.metadata[i] for i in indices], group_ids

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imagerl.best_checkpoint import read_best
-from imagerl.metrics import PHASES, plot_phases, plot_rewards, read_metrics
+from imagerl.run.best_checkpoint import read_best
+from imagerl.run.metrics import PHASES, plot_phases, plot_rewards, read_metrics
 
 TRAIN_REWARD = "rollout/reward/raw_mean"
 EVAL_REWARD = "eval/reward/raw_mean"

@@ -1,7 +1,7 @@
 """Build the small pretrained Qwen-Image-layout model that the quickstart trains with RL.
 
 Recipe (every step seeded; `imagerl build-quickstart-model OUT` reruns it):
-  1. the synthetic shapes world (imagerl.synthetic): N captioned 64 px images;
+  1. the synthetic shapes world (imagerl.data.synthetic): N captioned 64 px images;
   2. a tiny Qwen2.5-VL text encoder (random, frozen) and a BPE tokenizer trained on the template,
      the bundled prompts and the shapes captions (template prefix = 34 tokens, as the real one);
   3. a tiny AutoencoderKLQwenImage trained for reconstruction (foreground-weighted MSE + 1e-6 KL) on the
@@ -29,7 +29,7 @@ import torch
 VAE_CONFIG = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
                   latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
 SFT_LR = 1e-3
-# imagerl_defaults.json (imagerl.model_defaults): the training size, the quickstart recipe's sampling (10 steps,
+# imagerl_defaults.json (imagerl.families.model_defaults): the training size, the quickstart recipe's sampling (10 steps,
 # guidance 1: no CFG, half the compute) and its reward
 SAMPLING_DEFAULTS = dict(height=64, width=64, num_steps=10, guidance_scale=1.0, rewards=["shapes"])
 TRANSFORMER_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=4, attention_head_dim=32,
@@ -37,7 +37,7 @@ TRANSFORMER_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_laye
 
 
 def load_images(captions_file: Path, size: int) -> torch.Tensor:
-    """(N, 3, size, size) float in [0, 1] from a captions.jsonl written by imagerl.synthetic."""
+    """(N, 3, size, size) float in [0, 1] from a captions.jsonl written by imagerl.data.synthetic."""
     from PIL import Image
     import numpy as np
 
@@ -115,9 +115,9 @@ def build_quickstart_model(out_dir: str | Path, work_dir: str | Path, *, num_ima
                            vae_steps: int = 2000, sft_steps: int = 1200, sft_batch: int = 64, device: str = "auto",
                            log=print) -> Path:
     from imagerl.distributed.parallel import resolve_device
-    from imagerl.model_defaults import write_model_defaults
-    from imagerl.sft import export_model, sft
-    from imagerl.synthetic import generate_dataset
+    from imagerl.families.model_defaults import write_model_defaults
+    from imagerl.sft.trainer import export_model, sft
+    from imagerl.data.synthetic import generate_dataset
 
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     dev = resolve_device(device)
@@ -143,7 +143,7 @@ def sft_config(base: Path, captions_file: Path, output_dir: Path, *, steps: int,
                **overrides):
     """The SFT of the quickstart model: full transformer, flow matching at 64 px, lr SFT_LR after 100 warm-up
     steps, caption dropout 0.1 (keeps CFG's unconditional branch), fp32; `overrides` for logging/checkpoints."""
-    from imagerl.sft import SFTConfig
+    from imagerl.sft.trainer import SFTConfig
 
     settings = dict(model=str(base), data=str(captions_file), height=64, width=64, lora_rank=0, lr=SFT_LR,
                     lr_warmup_steps=100, weight_decay=0.0, batch_size=batch, num_steps=steps, seed=seed,

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from imagerl.data import PromptGroups, PromptSet, load_prompt_set, repeat_prompts, resolve_prompt_file
-from imagerl.distributed.rng import make_generator
+from imagerl.data.prompts import PromptGroups, PromptSet, load_prompt_set, permuted_slots, repeat_prompts, \
+    resolve_prompt_file
+from imagerl.rewards.registry import MIXTURE_KEY
 
-MIXTURE_KEY = "mixture_set"
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -137,14 +137,9 @@ class MixtureSampler:
         self.members = {name: [i for i, t in enumerate(tags) if t == name] for name in self.names}
 
     def _set_indices(self, name: str, count: int, step: int) -> list[int]:
-        members, out, perms = self.members[name], [], {}
-        for slot in range(step * count, (step + 1) * count):
-            epoch, pos = divmod(slot, len(members))
-            if epoch not in perms:
-                gen = make_generator(self.seed, f"prompt_order:{name}", epoch)
-                perms[epoch] = torch.randperm(len(members), generator=gen).tolist()
-            out.append(members[perms[epoch][pos]])
-        return out
+        members = self.members[name]
+        slots = range(step * count, (step + 1) * count)
+        return [members[i] for i in permuted_slots(len(members), slots, self.seed, f"prompt_order:{name}")]
 
     def global_indices(self, step: int) -> list[int]:
         """Every rank's prompts of rollout `step`, set by set (indices into prompt_set)."""
@@ -159,7 +154,7 @@ class MixtureSampler:
 
 def make_sampler(cfg, train_set: PromptSet, world):
     """The rollout's prompt sampler: MixtureSampler with data.mixture, else GroupSampler."""
-    from imagerl.data import GroupSampler
+    from imagerl.data.prompts import GroupSampler
 
     sets = cfg.data.mixture
     if not sets:

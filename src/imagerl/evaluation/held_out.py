@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from imagerl.data import PromptSet, rank_block
+from imagerl.data.prompts import PromptSet, rank_block
 from imagerl.distributed.parallel import World
 from imagerl.distributed.rng import make_generator
-from imagerl.metrics import progress_bar, save_image_grid
+from imagerl.run.metrics import progress_bar, save_image_grid
 from imagerl.rewards.registry import RewardError
 from imagerl.rollout import ode_sample
 
@@ -265,7 +265,7 @@ def evaluate(adapter, scorer, test_set: PromptSet, cfg, world: World, step: int,
     if columns:
         result.metrics.update(suites.held_out_metrics(result.extra))
     if cfg.data.mixture:  # each set's held-out prompts, scored by its rewards
-        from imagerl.mixture import set_metrics
+        from imagerl.data.mixture import set_metrics
 
         result.metrics.update(set_metrics("eval", [m.name for m in cfg.data.mixture], test_set.metadata[:len(result.prompts)],
                                           result.total_N, result.valid_N, result.components, world))
@@ -281,7 +281,7 @@ def evaluate(adapter, scorer, test_set: PromptSet, cfg, world: World, step: int,
 
 def sample_records(result: EvalResult) -> list[dict]:
     """Per held-out prompt, in test-set order: index, full prompt, total reward, valid, each component."""
-    from imagerl.metrics import _clean
+    from imagerl.run.metrics import _clean
 
     return [{"index": i, "prompt": p, "reward": _clean(result.total_N[i].item()), "valid": bool(result.valid_N[i]),
              **{name: _clean(v[i].item()) for name, v in result.components.items()}}
@@ -330,14 +330,14 @@ def cli_evaluate(args) -> EvalResult:
     import dataclasses
     import json
 
-    from imagerl.checkpoint import load_lora
+    from imagerl.run.checkpoint import load_lora
     from imagerl.components import resolve_dtype, resolve_model_path
     from imagerl.config import Config
-    from imagerl.data import load_prompt_set, resolve_prompt_file
+    from imagerl.data.prompts import load_prompt_set, resolve_prompt_file
     from imagerl.distributed.parallel import init_world
     from imagerl.families.registry import family_class
-    from imagerl.metrics import _clean
-    from imagerl.model_defaults import model_defaults
+    from imagerl.run.metrics import _clean
+    from imagerl.families.model_defaults import model_defaults
     from imagerl.rewards import Scorer
     from imagerl.rewards.registry import check_reward_config, check_reward_names, validate_prompts
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from imagerl.checkpoint import _checksums, _swap_into_place, read_state, verify_files
-from imagerl.checkpoint_tensors import FORMAT, flatten, non_finite, write_trainer_files
+from imagerl.run.checkpoint import _checksums, _swap_into_place, read_state, verify_files
+from imagerl.run.checkpoint_tensors import FORMAT, flatten, non_finite, write_trainer_files
 
 # format 1 stored the algorithm's tensors beside "model" and "optim" at the top of the DCP state
 _TRAINER_KEYS = ("model", "optim")

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import socket
+import string
 import time
 from pathlib import Path
 
@@ -36,7 +37,6 @@ def acquire(run_dir: Path) -> int:
     """Create run_dir if needed, take its lock (non-blocking) and record this process; return the lock's fd."""
     import fcntl
 
-    from imagerl.validation import check_output_dir
 
     check_output_dir(run_dir)  # creates it; an unwritable path is a ValueError naming it
     file = Path(run_dir) / LOCK_FILE
@@ -100,3 +100,54 @@ def hold_run_dir(run_dir: Path, world):
             for directory in new if left_empty else []:
                 with contextlib.suppress(OSError):  # a directory something else wrote into meanwhile stays
                     directory.rmdir()
+
+
+def validate_output_dir(cfg) -> Path:
+    """run.output_dir formats (only {recipe}), and a recipe name put into it cannot leave its parent directory."""
+    out = cfg.output_dir  # ValueError for an unknown or malformed placeholder
+    uses_recipe = any(field is not None for _, field, _, _ in string.Formatter().parse(cfg.run.output_dir))
+    if uses_recipe and (not cfg.recipe or any(bad in cfg.recipe for bad in ("/", "\\", ".."))):
+        raise ValueError(f"recipe name {cfg.recipe!r} cannot be used in run.output_dir={cfg.run.output_dir!r}: it is "
+                         "empty or contains '/', '\\' or '..', so the run directory would leave its parent; rename the "
+                         "recipe or set run.output_dir (--output-dir) to a path without {recipe}")
+    return out
+
+
+def check_output_dir(path) -> Path:
+    """Create the run directory if needed and write and remove a probe file in it, before any model loads: an
+    unwritable path or a full disk is a ValueError naming the path and the OS reason."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"run.output_dir {path} is a file, not a directory; choose another with --output-dir")
+    probe = path / f".imagerl_write_probe_{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"imagerl")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"run.output_dir {path} is not writable: {e}; choose another with --output-dir") from e
+    return path
+
+
+# what `imagerl train` writes in a run directory (--overwrite removes these and nothing else)
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "images", "checkpoints", "plots", "config.yaml", "config.resumed_*.yaml")
+
+
+def check_fresh_run_dir(path, overwrite: bool) -> None:
+    """A new run (no --resume) refuses a run directory that already holds files: a second `imagerl train` would
+    overwrite its checkpoints, grids and plots and append a second history to metrics.jsonl. overwrite=True
+    removes imagerl's outputs (RUN_OUTPUTS) first; other files are left alone. Call on rank 0 only."""
+    import shutil
+
+    path = Path(path)
+    present = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
+    if not present:  # absent, empty, or only the lock file (this run's, or one a finished run left)
+        return
+    ours = sorted({p for pattern in RUN_OUTPUTS for p in path.glob(pattern)})
+    if not overwrite:
+        held = ", ".join(p.name for p in ours[:4]) or ", ".join(present[:4])
+        raise FileExistsError(f"{path} already holds a run ({held}); continue it with `--resume latest` (same "
+                              f"--recipe/--output-dir), start over with --overwrite (deletes its checkpoints, "
+                              f"metrics, images and plots), or choose another --output-dir")
+    for p in ours:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()

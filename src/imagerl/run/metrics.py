@@ -419,7 +419,7 @@ def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it", leave: 
     before (a resume), counted in the bar but not in its rate and ETA."""
     from tqdm.auto import tqdm
 
-    from imagerl.console import interactive
+    from imagerl.run.console import interactive
 
     return tqdm(total=total, desc=desc, disable=not (enabled and interactive()), unit=unit, leave=leave,
                 file=sys.stderr, dynamic_ncols=True, initial=initial)

@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from imagerl.checkpoint import (load_checkpoint, load_full_checkpoint, merged_lora_transformer, resolve_resume,
+from imagerl.run.checkpoint import (load_checkpoint, load_full_checkpoint, merged_lora_transformer, resolve_resume,
                                 save_checkpoint, save_full_checkpoint, save_model_dir)
 from imagerl.components import NAMED_MODELS, resolve_dtype, resolve_model_path
 from imagerl.distributed.parallel import World, resolve_device
 from imagerl.distributed.rng import make_generator
-from imagerl.model_defaults import ModelDefaults, model_defaults
-from imagerl.run_lock import hold_run_dir
-from imagerl.sft_data import batch_indices, load_examples, load_image
+from imagerl.families.model_defaults import ModelDefaults, model_defaults
+from imagerl.run.lock import hold_run_dir
+from imagerl.sft.data import batch_indices, load_examples, load_image
 
 
 @dataclass
@@ -223,7 +223,7 @@ def sft(cfg: SFTConfig, resume: str | None = None) -> SFTRun:
 
 
 def _sft(cfg: SFTConfig, examples, run_dir: Path, resume: str | None) -> SFTRun:
-    from imagerl.metrics import MetricsLogger, memory_metrics, progress_bar
+    from imagerl.run.metrics import MetricsLogger, memory_metrics, progress_bar
 
     resume_from = resolve_resume(resume, run_dir) if resume else None
     if resume_from is None and list((run_dir / "checkpoints").glob("step_*")):
@@ -304,7 +304,7 @@ def _mean(values: list[float]) -> float:
 def validate_samples(adapter, cfg: SFTConfig, run_dir: Path, step: int) -> dict[str, float]:
     """ODE samples of the validation prompts (image i from the noise of (seed, i)) -> images/validation_<step>.png;
     the number under each tile is the training step."""
-    from imagerl.metrics import save_image_grid
+    from imagerl.run.metrics import save_image_grid
     from imagerl.rollout import ode_sample
 
     tic = time.perf_counter()

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from imagerl.checkpoint_tensors import FORMAT, NonFiniteStateError, load_trainer_state, save_trainer_state
+from imagerl.run.checkpoint_tensors import FORMAT, NonFiniteStateError, load_trainer_state, save_trainer_state
 from imagerl.distributed.parallel import World
 
 PEFT_PREFIX = "base_model.model."
@@ -339,7 +339,7 @@ def save_model_dir(base: Path, transformer, out: Path, link: bool) -> Path:
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
     """Remove all but the latest `keep` checkpoints and run.keep_best's (rank 0)."""
     done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
-    from imagerl.best_checkpoint import read_best
+    from imagerl.run.best_checkpoint import read_best
 
     best = read_best(run_dir)  # run.keep_best: the best checkpoint stays beside the latest `keep`
     for old in done[:-keep] if keep > 0 else []:

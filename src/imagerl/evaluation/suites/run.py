@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from imagerl.suites import Suite, build_suite
-from imagerl.suites.stats import Interval, category_mean, paired_bootstrap
+from imagerl.evaluation.suites import Suite, build_suite
+from imagerl.evaluation.suites.stats import Interval, category_mean, paired_bootstrap
 
 NUM_RESAMPLES = 1000
 IMAGE_KEY = "suite_image"  # added to each image's metadata: its row in expand()'s list (the layout writer's key)
@@ -31,7 +31,7 @@ def lora_label(path: str) -> str:
 
 def use_lora(adapter, directory: str) -> None:
     """Replace the adapter's LoRA (if any) by the one in `directory`."""
-    from imagerl.checkpoint import load_lora
+    from imagerl.run.checkpoint import load_lora
 
     if getattr(adapter.transformer, "peft_config", None):
         adapter.transformer.delete_adapters(list(adapter.transformer.peft_config))
@@ -91,13 +91,13 @@ def markdown_table(labels: list[str], rows: list[dict]) -> str:
 def cli_suite(args) -> dict:
     """`imagerl eval --suite NAME`: build the suite, sample it with the base model and each --lora, print and write
     the table. Settings not given come from the model's imagerl_defaults.json, else the family's."""
-    from imagerl.checkpoint import check_lora_dir
+    from imagerl.run.checkpoint import check_lora_dir
     from imagerl.components import resolve_dtype, resolve_model_path
     from imagerl.config import Config
     from imagerl.distributed.parallel import init_world
-    from imagerl.evaluation import EvalSettings, apply_reward_overrides, check_eval_flags, generate_and_score
+    from imagerl.evaluation.held_out import EvalSettings, apply_reward_overrides, check_eval_flags, generate_and_score
     from imagerl.families.registry import family_class
-    from imagerl.model_defaults import model_defaults
+    from imagerl.families.model_defaults import model_defaults
 
     loras = list(args.lora or [])
     check_eval_flags(args)  # before anything loads
@@ -150,7 +150,7 @@ def _unique(labels: list[str]) -> list[str]:
 def _layout_writer(suite: Suite, folder: Path, rows: list[tuple[int, int]]):
     """score_batch for a suite without measures (geneval): each image into GenEval's layout (by its row's
     IMAGE_KEY); 0 per image."""
-    from imagerl.suites.geneval_layout import write_image
+    from imagerl.evaluation.suites.geneval_layout import write_image
 
     def write(images_B3HW, prompts, metadata):
         for image, prompt, meta in zip(images_B3HW, prompts, metadata):
@@ -239,7 +239,7 @@ class TrainingSuites:
         """The suites not measured on the held-out images, each sampled and scored now."""
         import dataclasses
 
-        from imagerl.evaluation import eval_settings, generate_and_score
+        from imagerl.evaluation.held_out import eval_settings, generate_and_score
 
         metrics = {}
         for suite in self.suites:
