@@ -66,13 +66,33 @@ def test_backends_disabled_before_stay_disabled():
 
 
 
-def test_grad_only_leaves_no_grad_forwards_their_backends():
-    """flux: only forwards under grad (a backward may follow) run without cuDNN; a no-grad forward keeps the
-    process's backends."""
+def test_except_unreplayed_keeps_the_backends_only_in_unreplayed_forwards():
+    """flux: the merged off-window forwards (unreplayed_forwards, MergedLora.applied) keep the process's backends;
+    every other forward, under grad or not, runs without cuDNN, so a replayed window step and the update's forward
+    pick the same kernel (run AY: cuDNN in the eager rollout's no-grad window steps and flash in the update gave a
+    log-prob difference of 2.7e-6)."""
+    from imagerl.families.layers.attention_backends import unreplayed_forwards
+
     block = Attention()
-    exclude_cudnn_attention([block], grad_only=True)
+    exclude_cudnn_attention([block], except_unreplayed=True)
     q = torch.randn(1, 2, 5, 8)
     block(q)
     with torch.no_grad():
         block(q)
-    assert block.seen == [(False, True), (torch.backends.cuda.cudnn_sdp_enabled(), True)]
+    with unreplayed_forwards():
+        block(q)
+    block(q)
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    assert block.seen == [(False, True), (False, True), (cudnn, True), (False, True)]
+
+
+def test_merged_lora_forwards_are_unreplayed():
+    from imagerl.families.layers import attention_backends
+    from imagerl.families.layers.merged_lora import MergedLora
+
+    seen = []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with MergedLora(model).applied():
+        seen.append(attention_backends._UNREPLAYED)
+    seen.append(attention_backends._UNREPLAYED)
+    assert seen == [True, False]

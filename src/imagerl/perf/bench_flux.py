@@ -35,8 +35,14 @@ DRY_GEOMETRY = ["sample.batch_size=2", "train.batch_size=0", "model.lora_rank=4"
                 "sample.max_sequence_length=64"]
 BASELINE_BATCH_SIZE = 1  # DanceGRPO train_grpo_flux_lora.py: one image per sampling and per training forward
 BASELINE_CHECKPOINTING = True  # DanceGRPO's finetune_flux_grpo.sh: --gradient_checkpointing
-DEFAULT_VARIANTS = {"imagerl (compile, batch 4, checkpointing)": [],
-                    "imagerl, rollout 16 merged off the window": ["sample.batch_size=16", "sample.merge_lora=true"]}
+# the flux_ocr recipe sets no parallel.compile, so its blocks run eager (every FLUX.1 row before run AY was eager,
+# benchmarks/RESULTS.md); the compiled rows name it
+DEFAULT_VARIANTS = {"imagerl (flux_ocr: eager, batch 4, checkpointing)": [],
+                    "imagerl, regional compile": ["parallel.compile=true"],
+                    "imagerl, compile, rollout 16 merged in FP8, training without checkpointing": [
+                        "parallel.compile=true", "sample.batch_size=16", "sample.merge_lora=true",
+                        "sample.off_window_fp8=true", "model.gradient_checkpointing=false",
+                        "model.text_encoder_offload=true"]}
 
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,

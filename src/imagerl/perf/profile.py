@@ -158,9 +158,15 @@ def profile_step(bench, overrides: list[str], rows: int = 16, ceiling: float | N
         x, t, cond = batch(n)
 
         def step():
-            if phase == "train":  # train mode and grad on, as flow_grpo_update
-                with _training_graph(adapter, True):
-                    adapter.velocity(x, t, cond, s.height, s.width).square().mean().backward()
+            if phase == "train":  # train mode and grad on, as the update (algorithms/base.py, flow_grpo_update)
+                # (not _training_graph: its forward_only_blocks cuts each block's outputs from the graph, so the
+                # backward reached no block and this phase timed little more than a forward before run AY)
+                adapter.transformer.train()
+                try:
+                    with torch.enable_grad():
+                        adapter.velocity(x, t, cond, s.height, s.width).square().mean().backward()
+                finally:
+                    adapter.transformer.eval()
             else:  # as the rollout: the window steps as a training graph's forward, the merged ones under no grad
                 off_window = merged.applied() if phase == "merged" else contextlib.nullcontext()
                 with torch.no_grad(), _training_graph(adapter, cfg.parallel.compile), off_window:
@@ -197,6 +203,9 @@ def profile_step(bench, overrides: list[str], rows: int = 16, ceiling: float | N
                       + (f"; the matmul kernels {matmul_s:.3f} s" if matmul_s else "")
                       + f"; host syncs {sum(syncs.values())} ({', '.join(f'{k} x{v}' for k, v in syncs.items()) or 'none'})"
                       + f"; Dynamo graphs compiled: {warm_graphs} in the warm-up, {steady_graphs} in the profiled step")
+        if phase == "train":
+            lora = [p for p in adapter.transformer.parameters() if p.requires_grad]
+            report.append(f"  LoRA parameters with a gradient: {sum(p.grad is not None for p in lora)} of {len(lora)}")
         attention = [e for e in events if kernel_kind(e.key) == "attention"]
         if attention:
             report.append("  attention kernels: " + "; ".join(

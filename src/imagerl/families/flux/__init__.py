@@ -90,11 +90,11 @@ class FluxFamily(PackedLatentFamily):
         if self.device.type == "cuda":
             # cuDNN attention's backward at FLUX.1-dev's shapes (24 heads x 128, 1024 image + 512 text tokens) gave
             # NaN LoRA gradients, then an illegal memory access, on an H100 with torch 2.11, eager and compiled alike
-            # (benchmarks/RESULTS.md runs AS-AU); every block's forward under grad (a backward may follow) attends
-            # with the other SDPA kernels, a forward under no grad (merged off-window steps, evaluation) with cuDNN's
+            # (benchmarks/RESULTS.md runs AS-AU); every block attends with the other SDPA kernels, except in the
+            # rollout's merged off-window steps, which nothing replays (cuDNN's forward: 1.9x flash's rate, run AY)
             from imagerl.families.layers.attention_backends import exclude_cudnn_attention
 
-            exclude_cudnn_attention(self.transformer_blocks(), grad_only=True)
+            exclude_cudnn_attention(self.transformer_blocks(), except_unreplayed=True)
 
     @classmethod
     def from_pretrained(cls, path, device, dtype, prompt_cache_size: int = 4096):

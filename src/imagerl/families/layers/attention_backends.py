@@ -16,6 +16,7 @@ parallel.deterministic (set before apply_parallelism) that leaves the math backe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -31,12 +32,28 @@ def backends_without_cudnn() -> list[SDPBackend]:
     return [backend for backend, enabled in _ENABLED.items() if enabled()] or [SDPBackend.MATH]
 
 
-def exclude_cudnn_attention(blocks: list[torch.nn.Module], grad_only: bool = False) -> list[SDPBackend]:
+_UNREPLAYED = False  # True inside unreplayed_forwards()
+
+
+@contextlib.contextmanager
+def unreplayed_forwards():
+    """Within: forwards whose outputs are never replayed (the rollout's off-window steps on merged weights,
+    MergedLora.applied); blocks wrapped with except_unreplayed=True keep the process's SDPA backends there, cuDNN's
+    included. A compiled block reads the flag as a global, which Dynamo guards: one graph of each."""
+    global _UNREPLAYED
+    saved, _UNREPLAYED = _UNREPLAYED, True
+    try:
+        yield
+    finally:
+        _UNREPLAYED = saved
+
+
+def exclude_cudnn_attention(blocks: list[torch.nn.Module], except_unreplayed: bool = False) -> list[SDPBackend]:
     """Run each block's forward under sdpa_kernel(backends_without_cudnn()); once per block. Returns the
-    backends used. grad_only: only the forwards that run with grad enabled (whose backward may follow); a forward
-    under no grad (a merged off-window rollout step, evaluation) keeps the process's backends, cuDNN's included:
-    only cuDNN's backward faulted (flux, RESULTS.md runs AS-AU). Dynamo guards on the grad mode, so a compiled
-    block holds one graph of each."""
+    backends used. except_unreplayed: not within unreplayed_forwards() (flux: only cuDNN's backward faulted, and
+    its forward ran at 1.9x flash's rate at FLUX.1-dev's shapes, RESULTS.md run AY). Only there: a forward that a
+    replay repeats (a rollout's window step, eager under no grad, and the update's forward under grad) must pick
+    the same kernel both times, or the log-probs differ (run AY: 2.7e-6 when no-grad forwards used cuDNN)."""
     backends = backends_without_cudnn()
     for block in blocks:
         if getattr(block, "_imagerl_sdpa_backends", None) is not None:
@@ -45,7 +62,7 @@ def exclude_cudnn_attention(blocks: list[torch.nn.Module], grad_only: bool = Fal
 
         @functools.wraps(forward)
         def forward_without_cudnn(*args, _forward=forward, **kwargs):
-            if grad_only and not torch.is_grad_enabled():
+            if except_unreplayed and _UNREPLAYED:
                 return _forward(*args, **kwargs)
             with sdpa_kernel(backends):
                 return _forward(*args, **kwargs)

@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from imagerl.families.layers.attention_backends import unreplayed_forwards
 from imagerl.families.layers.fp8_linear import Fp8Linear, check_fp8_device, fp8_alignable
 
 
@@ -107,8 +108,8 @@ class MergedLora:
             parent._modules[name] = fp8
         for module in layers:
             module._disable_adapters = True  # the flag peft's forward reads; no requires_grad changes (cheap)
-        try:
-            with torch.no_grad():
+        try:  # nothing replays these forwards: the blocks may attend with any backend (attention_backends.py)
+            with torch.no_grad(), unreplayed_forwards():
                 yield
         finally:
             for module, base, original, _ in self.swaps:
