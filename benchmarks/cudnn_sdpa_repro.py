@@ -1,4 +1,4 @@
-"""Where cuDNN attention's backward fails at FLUX.1-dev's shapes (benchmarks/RESULTS.md runs AS-AU: NaN LoRA gradients,
+"""Where cuDNN attention's backward fails at FLUX.1-dev's shapes (benchmarks/LOG.md runs AS-AU: NaN LoRA gradients,
 then an illegal memory access, eager and compiled): SDPA alone under the cuDNN backend over a matrix of conditions
 (batch, sequence length, layout, dtype, mask, the gradient's layout), then FLUX.1-dev's real-size double- and
 single-stream blocks (random weights) forward + backward under cuDNN, each beside the flash / memory-efficient

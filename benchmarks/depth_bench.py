@@ -1,6 +1,6 @@
 """`imagerl bench` on a model of fewer blocks at the released block dims: side-by-side ratios on a smaller card.
 
-The qwen_image recipe peaks at 121 GiB (RESULTS.md run P), so it does not run on an 80 GB card; with `--layers 30`
+The qwen_image recipe peaks at 121 GiB (LOG.md run P), so it does not run on an 80 GB card; with `--layers 30`
 (half of its 60 blocks: 10.2 B transformer weights) the baseline and the recipe's variants fit one H100. Every
 block has the released shapes, so per-block times, their ratios and the MFU carry over; the whole-iteration
 ratio does not (text encoding, decode and reward do not shrink with the blocks). The text encoder is shrunk as in a

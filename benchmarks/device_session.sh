@@ -1,4 +1,4 @@
-# Sourced by the one-call GPU session scripts (benchmarks/*_session.sh, qwen21_crash_locate.sh) after they set
+# Sourced by the one-call GPU session scripts (benchmarks/bench_session.sh, flux_session.sh) after they set
 # `out`: one deadline for the whole call (SESSION_S, default 570 s; device calls are capped at 600 s), `left N`
 # (the seconds a step may take: N or what is left, never 0, which `timeout` reads as none), the wheels of
 # ../shared/tools/device-wheels.sh from .whl/ on PYTHONPATH, and the GPU's name in $out/gpu.txt.

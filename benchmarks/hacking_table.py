@@ -1,4 +1,4 @@
-"""The reward-hacking table of a quickstart_sweep.py run over two rewards (benchmarks/RESULTS.md, "Several rewards and
+"""The reward-hacking table of a quickstart_sweep.py run over two rewards (benchmarks/LOG.md, "Several rewards and
 reward hacking"): per variant and seed, the held-out shapes reward and GenEval-style overall at rollouts 0/20/40/60,
 the held-out value of the second reward, and the first rollout at which each drift monitor passed max_drift.
 

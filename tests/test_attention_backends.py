@@ -1,5 +1,5 @@
 """exclude_cudnn_attention (families/layers/attention_backends.py): the compiled 2.1 blocks run their attention with the
-cuDNN backend off (its compiled backward faulted on the GPU, RESULTS.md issue 22 run Y), in eager and inside
+cuDNN backend off (its compiled backward faulted on the GPU, LOG.md issue 22 run Y), in eager and inside
 a fullgraph torch.compile, and backends turned off before (parallel.deterministic) stay off. That the 2.1
 family applies it to every block before compiling: tests/test_qwen_image21_adapter.py."""
 

@@ -106,7 +106,7 @@ def test_on_policy_with_zero_lr(pipe, dtype, sde_steps, batch_size):
         # Replayed in other batches (rollout 4 / train 2, as the benchmark's 8 / 4) the baseline is exact only where
         # the GEMMs round alike for every row count. Not so on every CPU: on an AMD EPYC (MKL, AVX-512) the timestep
         # modulation's 5-row and 3-row GEMMs differ by 1 ulp and the mean log-prob by 3e-8 (fp32); the GPU runs see
-        # 1.4e-6 (bf16, RESULTS.md run AB). A wrong step, sigma or text would move it far more.
+        # 1.4e-6 (bf16, LOG.md run AB). A wrong step, sigma or text would move it far more.
         tolerance = 1e-6 if dtype == torch.float32 else 1e-3
         assert out["log_prob_mean_abs_diff"] <= tolerance
         assert out["ratio_abs_minus_1_max"] <= 100 * tolerance

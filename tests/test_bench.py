@@ -1,6 +1,6 @@
 """`imagerl bench` on the CPU (--dry-run: the same code path with 1-layer models at 64 px): the baseline and
 imagerl rows, their exact on-policy replay, the JSON record, the profile and the CLI's argument errors.
-The real measurements need the H200 (benchmarks/RESULTS.md)."""
+The real measurements need the H200 (benchmarks/LOG.md)."""
 
 import json
 
@@ -102,7 +102,7 @@ def test_dry_bench_qwen_image21_counts_flops_with_and_without_kv_cache(tmp_path)
 
 
 def test_phase_probe_dry_run_times_each_kind_of_rollout_call(tmp_path):
-    """benchmarks/phase_probe.py (the H200 runs N-P of benchmarks/RESULTS.md) on the CPU: host-clock events."""
+    """benchmarks/phase_probe.py (the H200 runs N-P of benchmarks/LOG.md) on the CPU: host-clock events."""
     import subprocess
     import sys
     from pathlib import Path

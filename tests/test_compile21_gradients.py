@@ -1,7 +1,7 @@
 """Regionally compiled Qwen-Image 2.1 blocks (apply_parallelism's `block.compile(dynamic=True)`): the LoRA
 gradients against eager ones, on the CPU and (when present) on a GPU.
 
-The log-prob replay check compares forwards only; a wrong backward kernel passes it (benchmarks/RESULTS.md
+The log-prob replay check compares forwards only; a wrong backward kernel passes it (benchmarks/LOG.md
 runs V, W: on the GPU the compiled backward crashed or gave NaN after another model ran in the same process; run
 Y found the cuDNN attention backward, which prepare_compile now excludes). Prompts of three text lengths run
 through one symbolic-shape graph; the compiled gradients run twice, since an out-of-bounds read need not repeat

@@ -1,5 +1,7 @@
-"""README.md and docs/: the guide stays short, every relative link and #anchor resolves, docs/README.md lists every
-page, and the README's Python (the public API list, the custom-reward example) runs as written."""
+"""README.md, docs/ and benchmarks/: the guide stays short, every relative link and #anchor resolves (inline and
+reference-style), docs/README.md lists every page, the README's Python (the public API list, the custom-reward
+example) runs as written, and benchmarks/RESULTS.md stays the short current table whose numbers all come from the
+dated log beside it (benchmarks/LOG.md)."""
 
 import re
 from pathlib import Path
@@ -10,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_MAX_LINES = 350  # issue 50: the README is a guide; reference material lives in docs/
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+LOG = ROOT / "benchmarks" / "LOG.md"
+RESULTS_MAX_LINES = 200  # issue 50: one row per recipe and family; the dated runs are in LOG.md
 
 
 def _without_code(text):
@@ -40,10 +45,21 @@ def test_readme_is_short():
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move reference text to docs/"
 
 
+def _link_targets(text):
+    """Inline link targets, then reference-style definitions ([label]: target)."""
+    text = _without_code(text)
+    return re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, flags=re.M)
+
+
 def test_relative_links_resolve():
     bad = []
-    for page in [README, *sorted(DOCS.glob("*.md"))]:
-        for target in re.findall(r"\]\(([^)\s]+)\)", _without_code(page.read_text())):
+    for page in [README, *sorted(DOCS.glob("*.md")), RESULTS, LOG]:
+        text = page.read_text()
+        defined = {m.lower() for m in re.findall(r"^\[([^\]]+)\]:", _without_code(text), flags=re.M)}
+        for label in re.findall(r"\]\[([^\]]+)\]", re.sub(r"`[^`\n]*`", "", _without_code(text))):
+            if label.lower() not in defined:
+                bad.append(f"{page.relative_to(ROOT)}: [{label}] is used but not defined")
+        for target in _link_targets(text):
             if re.match(r"[a-z]+:", target):
                 continue
             path, _, anchor = target.partition("#")
@@ -53,6 +69,19 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in set(_anchors(dest)):
                 bad.append(f"{page.relative_to(ROOT)}: {target} names no heading of {dest.name}")
     assert not bad, "\n".join(bad)
+
+
+def test_results_is_a_short_table_of_logged_numbers():
+    """benchmarks/RESULTS.md: at most RESULTS_MAX_LINES lines, and every decimal number in it (images/s, ratios,
+    GiB, lp diffs, rewards) appears in LOG.md: the table summarizes the log, it does not compute new numbers."""
+    text = RESULTS.read_text()
+    n = len(text.splitlines())
+    assert n <= RESULTS_MAX_LINES, f"benchmarks/RESULTS.md has {n} lines (at most {RESULTS_MAX_LINES}): runs go to LOG.md"
+    log = LOG.read_text()
+    body = re.sub(r"^\[[^\]]+\]:.*$", "", text, flags=re.M)  # not the link definitions' anchors
+    numbers = set(re.findall(r"(?<![\w.])\d+\.\d+(?:e-?\d+)?(?!\.?\d)", body))
+    missing = sorted(x for x in numbers if not re.search(rf"(?<![\d.]){re.escape(x)}(?![\d])", log))
+    assert not missing, f"numbers in benchmarks/RESULTS.md that benchmarks/LOG.md does not have: {missing}"
 
 
 def test_docs_index_lists_every_page():

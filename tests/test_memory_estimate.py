@@ -1,5 +1,5 @@
 """perf/memory_estimate.py: the estimated peak against the peaks measured on H100 and H200 cards (the bench's JSON
-records under benchmarks/runs/, summarized in benchmarks/RESULTS.md), and the refusal of a run that cannot fit."""
+records under benchmarks/runs/, summarized in benchmarks/LOG.md), and the refusal of a run that cannot fit."""
 
 import json
 from pathlib import Path
@@ -102,7 +102,7 @@ def _config(recipe: str, settings: list[str]):
 
 def test_released_dims_are_the_released_model(released_dims):
     dims = released_dims[60]
-    assert dims.transformer_bytes / 2 == pytest.approx(20.43e9, rel=0.01)  # 20.43 B bf16 parameters (RESULTS.md)
+    assert dims.transformer_bytes / 2 == pytest.approx(20.43e9, rel=0.01)  # 20.43 B bf16 parameters (LOG.md)
     assert dims.lora_params == pytest.approx(0.425e9, rel=0.01)  # r64 on the 12 targets
     assert dims.merge_target_params == pytest.approx(13.6e9, rel=0.01)  # the merged copies: 27 GB in bf16
     assert (dims.blocks, dims.hidden, dims.latent_values) == (60, 3072, 1024 * 64)

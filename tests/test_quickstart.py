@@ -84,7 +84,7 @@ def test_test_samples_per_prompt_repeats_each_held_out_prompt_with_its_own_noise
 
 
 # Held-out gains of the shipped recipe (DiffusionNFT) after its first 20 rollouts, seeds 42 / 1 / 2: +0.051 / +0.055 /
-# +0.076 (min 0.051, spread 0.024; RESULTS.md "A quickstart that learns visibly"); lr 0: exactly 0. The margin is the
+# +0.076 (min 0.051, spread 0.024; LOG.md "A quickstart that learns visibly"); lr 0: exactly 0. The margin is the
 # smallest gain minus the spread, about twice the evaluation's own noise for a changed policy (~0.01 on 500 images).
 GAIN_MARGIN = 0.025
 
@@ -102,7 +102,7 @@ def test_quickstart_learns_on_held_out_prompts(tmp_path):
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     curve = {r["step"]: r["eval/reward/raw_mean"] for r in records if "eval/reward/raw_mean" in r}
     assert sorted(curve) == [0, 20]
-    assert curve[0] == pytest.approx(0.3901, abs=2e-4)  # the shipped model before training (RESULTS.md)
+    assert curve[0] == pytest.approx(0.3901, abs=2e-4)  # the shipped model before training (LOG.md)
     assert curve[20] - curve[0] > GAIN_MARGIN, curve
     # eval.suites: [shapes] on the same images: GenEval's overall (the mean of 6 categories' pass rates) before
     # training is 0.3186 (docs/evaluation.md), and each evaluation has every category
@@ -112,7 +112,7 @@ def test_quickstart_learns_on_held_out_prompts(tmp_path):
 
 
 # quickstart_grpo (Flow-GRPO, same initial noise) after its first 20 rollouts, seeds 1 / 2 / 42: +0.0481 / +0.0241 /
-# +0.0378 (RESULTS.md "Flow-GRPO on the quickstart"); lr 0: exactly 0. The seeds spread as much as they gain, so the
+# +0.0378 (LOG.md "Flow-GRPO on the quickstart"); lr 0: exactly 0. The seeds spread as much as they gain, so the
 # margin is half the smallest gain: still far above 0, which a broken update (or lr 0) gives.
 GRPO_GAIN_MARGIN = 0.012
 

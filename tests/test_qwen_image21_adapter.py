@@ -283,7 +283,7 @@ def test_lora_export_loads_into_the_pipeline(tiny21, tmp_path):
 
 
 def test_compile_prepares_every_block_before_compiling_it(tiny21):
-    """parallel.compile for Qwen-Image 2.1 (the recipe's setting since benchmarks/RESULTS.md run Z): accepted, and
+    """parallel.compile for Qwen-Image 2.1 (the recipe's setting since benchmarks/LOG.md run Z): accepted, and
     apply_parallelism hands the blocks the RoPE as real pairs and runs their attention without cuDNN (whose
     compiled backward faulted on the GPU, run Y) before it compiles them."""
     from imagerl.components import resolve_family_defaults

@@ -56,7 +56,7 @@ class ModelConfig:
     memory (qwen_image: 14 GiB) free for the rest of the run, for one copy per rollout with new prompts (~0.6 s)."""
     vae_dtype: str = "float32"
     """VAE decode (and encode) dtype: "float32" (flow_grpo, the pipeline's output path) or "bfloat16" (faster;
-    the images, and so the rewards, differ slightly: benchmarks/RESULTS.md measures by how much)."""
+    the images, and so the rewards, differ slightly: benchmarks/LOG.md measures by how much)."""
     group_text_lengths: bool = False
     """qwen_image: run the rows of a batch with different text lengths (cond vs uncond with CFG, prompts of
     different lengths) as separate unmasked forwards instead of one forward padded to the longest row with a
@@ -174,13 +174,13 @@ class SampleConfig:
     activations scaled per token at each call) and the steps outside the SDE window run FP8 GEMMs (CUDA compute
     capability 8.9+). Faster and half the merged copies' memory, but not the bf16 function: each layer's
     output moves by about 3.6 % rms of its size (families/layers/fp8_linear.py). The window steps and training keep bf16,
-    so the replay stays exact. benchmarks/RESULTS.md has its speed and its effect on images and rewards."""
+    so the replay stays exact. benchmarks/LOG.md has its speed and its effect on images and rewards."""
     kv_cache: bool = False
     """qwen_image21 only: the rollout's steps outside the SDE window reuse the text prefix's keys/values (the
     first of them computes them): only the image rows pass the blocks there (2.1 at 512 px: 5-8 % fewer FLOPs per
     cached step). The SDE-window steps and training run full forwards, so the replay stays exact. (The cached
     velocity equals the full forward on CPU fp32 but not on the GPU: an H200 run whose window steps were cached
-    showed train/log_prob_mean_abs_diff up to 1.5e-8 in fp32, benchmarks/RESULTS.md.) DiffusionNFT's ODE
+    showed train/log_prob_mean_abs_diff up to 1.5e-8 in fp32, benchmarks/LOG.md.) DiffusionNFT's ODE
     rollouts (never replayed) use it at every step."""
 
 

@@ -78,7 +78,7 @@ def _training_graph(adapter, enabled: bool):
     """With parallel.compile the rollout's forwards run as training forwards (train mode, grad on, outputs
     detached by the caller): Inductor compiles an inference graph differently from a training graph's forward
     and their fused kernels round differently (H200, bf16: the training replay's log-probs were off by 1.2e-5,
-    benchmarks/RESULTS.md); one graph keeps the replay exact. Each block's outputs are cut from the graph as
+    benchmarks/LOG.md); one graph keeps the replay exact. Each block's outputs are cut from the graph as
     they come (adapter.forward_only_blocks), so no activations are held and no checkpoint wrapper runs."""
     if not enabled:
         yield

@@ -47,7 +47,7 @@ def apply_parallelism(adapter, cfg: Config, world: World) -> str:
         fx_config.use_duck_shape = False
         # one block code object serves several graphs: train/eval mode, grad on/off, adapters on/off/merged, with and
         # without a text mask (DiffusionNFT alone uses four); past Dynamo's default limit of 8 it falls back to eager
-        # (seen on the H200, benchmarks/RESULTS.md run Q)
+        # (seen on the H200, benchmarks/LOG.md run Q)
         import torch._dynamo.config as dynamo_config
 
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)

@@ -14,7 +14,7 @@ Recipe (every step seeded; `imagerl build-quickstart-model OUT` reruns it):
      (SAMPLING_DEFAULTS: the quickstart recipe's 64 px, 10 steps, no CFG, shapes reward). The defaults are the
      shipped build's: 4096 images, VAE 2000 steps, SFT 1200 steps of 64 at lr 1e-3; on one H200 that took
      about 200 s (benchmarks/quickstart_model_build.py, which also judged longer SFT: held-out reward with
-     300/600/1200/2400 steps 0.22/0.37/0.46/0.68 at CFG 4; benchmarks/RESULTS.md).
+     300/600/1200/2400 steps 0.22/0.37/0.46/0.68 at CFG 4; benchmarks/LOG.md).
      1200 steps leaves room for RL to show a gain within minutes on a CPU.
 """
 

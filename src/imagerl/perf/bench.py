@@ -41,7 +41,7 @@ GEOMETRY = ["sample.prompts_per_rollout=1", "sample.group_size=16", "sample.heig
 DRY_GEOMETRY = ["sample.group_size=4", "sample.height=64", "sample.width=64", "sample.num_steps=6",
                 "sample.batch_size=2", "train.batch_size=0", "model.lora_rank=4", "model.lora_alpha=8", "parallel.compile=false"]
 # the qwen_image recipe: regional compile, rollout batch 16 merged off the window, training batch 4 without
-# checkpointing, text capped at 128 tokens (what won on the H200, benchmarks/RESULTS.md runs J-K); the eager row
+# checkpointing, text capped at 128 tokens (what won on the H200, benchmarks/LOG.md runs J-K); the eager row
 # is run E's (it alone takes ~100 s of a 10-minute run). The memory row pads every forward's text to the cap (a
 # long negative prompt), the recipe's worst case.
 TEXT_CAP_NEGATIVE_PROMPT = " ".join(["word"] * 140)  # 140 tokens, truncated to the recipe's 128
@@ -53,7 +53,7 @@ DEFAULT_VARIANTS = {
                    "imagerl (recipe), every row at the 128-token text cap": [
                        f"sample.negative_prompt={TEXT_CAP_NEGATIVE_PROMPT}"]},
     # the qwen_image21 recipe: regional compile, rollout and training batch 8, merged and KV-cached off the window,
-    # no checkpointing (RESULTS.md runs AB, AD); training batch 4 is the 80 GB card's setting
+    # no checkpointing (LOG.md runs AB, AD); training batch 4 is the 80 GB card's setting
     "qwen_image21": {"imagerl (recipe: compile, batch 8 merged and KV-cached, no checkpointing)": [],
                      "imagerl (recipe), train 4 (80 GB cards)": ["train.batch_size=4"],
                      "imagerl (recipe), off-window steps not KV-cached": ["sample.kv_cache=false"],

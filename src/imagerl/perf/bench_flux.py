@@ -16,7 +16,7 @@ recompute every block in the backward (DanceGRPO trains FLUX with --gradient_che
 and trains one image per forward as DanceGRPO does (train_grpo_flux_lora.py: sample_reference_model's batch_size = 1,
 grpo_one_step on one sample and one timestep per backward); `--baseline-batch-size 4` adds the stronger, batched
 comparison. Every block attends without cuDNN attention on both sides (its backward faulted at these shapes;
-benchmarks/RESULTS.md runs AS-AU).
+benchmarks/LOG.md runs AS-AU).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ DRY_GEOMETRY = ["sample.batch_size=2", "train.batch_size=0", "model.lora_rank=4"
 BASELINE_BATCH_SIZE = 1  # DanceGRPO train_grpo_flux_lora.py: one image per sampling and per training forward
 BASELINE_CHECKPOINTING = True  # DanceGRPO's finetune_flux_grpo.sh: --gradient_checkpointing
 # the flux_ocr recipe sets no parallel.compile, so its blocks run eager (every FLUX.1 row before run AY was eager,
-# benchmarks/RESULTS.md); the compiled rows name it
+# benchmarks/LOG.md); the compiled rows name it
 DEFAULT_VARIANTS = {"imagerl (flux_ocr: eager, batch 4, checkpointing)": [],
                     "imagerl, regional compile": ["parallel.compile=true"],
                     "imagerl, compile, rollout 16 merged in FP8, training without checkpointing": [
@@ -130,7 +130,7 @@ class FlowGRPOBaselineFlux(FlowGRPOBaseline):
 
     def iteration(self, prompt: str, generator_seed: int) -> dict:
         """Without cuDNN attention, as the flux family: its backward at these shapes gave NaN gradients and an
-        illegal memory access on an H100 (benchmarks/RESULTS.md runs AS-AU); a diffusers user meets the same."""
+        illegal memory access on an H100 (benchmarks/LOG.md runs AS-AU); a diffusers user meets the same."""
         from torch.nn.attention import sdpa_kernel
 
         from imagerl.families.layers.attention_backends import backends_without_cudnn

@@ -4,7 +4,7 @@
 this process can still get, torch.cuda.mem_get_info plus what it already holds; CPU: MemAvailable of
 /proc/meminfo plus the weights already loaded), naming the estimated peak and settings that fit.
 `estimate_memory(cfg, dims, world_size)` is the pure arithmetic (no device, no model), so it is tested on a CPU
-against the peaks measured on H100 and H200 cards (benchmarks/RESULTS.md; tests/test_memory_estimate.py).
+against the peaks measured on H100 and H200 cards (benchmarks/LOG.md; tests/test_memory_estimate.py).
 
 The model, per rank (bytes):
   static    = transformer weights + text encoder + VAE + reward models + LoRA (fp32 params and AdamW's two
@@ -29,7 +29,7 @@ rows: samples per forward, doubled under CFG (the negative prompt's rows); token
 which grow over a run up to model.prompt_cache_gib (2 GiB by default; FLUX.1 and SD3 reach it, Qwen-Image stays
 under 1 GiB at 4096 prompts) and ride in the headroom check_memory leaves (USABLE_FRACTION).
 
-The four coefficients were fitted to nine measured peaks of the released-size qwen_image (RESULTS.md runs I, P,
+The four coefficients were fitted to nine measured peaks of the released-size qwen_image (LOG.md runs I, P,
 S, AE, AH, AI: rollout batch 8-16, training batch 4-8, merged or not, checkpointing every block, every other
 block or none, Flow-GRPO and DiffusionNFT); those and the four of runs AK and AL (the text encoder off the GPU,
 merged copies in FP8, the first 40 or 45 blocks checkpointed) are reproduced within 4 %:
@@ -59,7 +59,7 @@ NFT_LORA_COPIES = 3  # LoraStates: the old policy's and the EMA's LoRA, and the 
 # the JPEG, OCR (onnxruntime on the CPU) and shapes rewards hold no GPU weights
 REWARD_PARAMS = {"pickscore": 986_000_000, "clipscore": 428_000_000, "aesthetic": 428_000_000}
 # the device's memory the estimate may use: the rest is the CUDA context, cuBLAS workspaces and the caching
-# allocator's fragmentation (RESULTS.md run AK, H100: a configuration estimated at 73.9 GiB ran out of memory with
+# allocator's fragmentation (LOG.md run AK, H100: a configuration estimated at 73.9 GiB ran out of memory with
 # 74.5 GiB allocated and 3.6 GiB reserved but unallocated; 0.93 of the H100's 79.2 GiB is 73.6)
 USABLE_FRACTION = 0.93
 

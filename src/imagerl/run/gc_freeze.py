@@ -3,7 +3,7 @@
 A full (generation 2) collection walks every object the collector tracks. After the first rollout these are mostly
 long-lived: the models' modules and parameters, Dynamo's guards, Inductor's compiled code. On the H200 machine one
 full collection of the qwen_image recipe took about 1 s, and when it landed inside a training phase the GPU sat
-idle for ~0.9 s of it (run N, benchmarks/RESULTS.md: one micro-step 1555 ms instead of ~640 ms, the train phase
+idle for ~0.9 s of it (run N, benchmarks/LOG.md: one micro-step 1555 ms instead of ~640 ms, the train phase
 6.23 s instead of 5.3 s); the collector starts one every few rollouts.
 
 After the first iteration (compile done, everything built) GCFreeze collects once and calls gc.freeze(): the

@@ -90,7 +90,7 @@ class FluxFamily(PackedLatentFamily):
         if self.device.type == "cuda":
             # cuDNN attention's backward at FLUX.1-dev's shapes (24 heads x 128, 1024 image + 512 text tokens) gave
             # NaN LoRA gradients, then an illegal memory access, on an H100 with torch 2.11, eager and compiled alike
-            # (benchmarks/RESULTS.md runs AS-AU); every block attends with the other SDPA kernels, except in the
+            # (benchmarks/LOG.md runs AS-AU); every block attends with the other SDPA kernels, except in the
             # rollout's merged off-window steps, which nothing replays (cuDNN's forward: 1.9x flash's rate, run AY)
             from imagerl.families.layers.attention_backends import exclude_cudnn_attention
 

@@ -4,7 +4,7 @@ On the GPU (torch 2.11, H100/H200) the regionally compiled Qwen-Image 2.1 backwa
 memory access" after another model had run in the process. With every launch synchronous
 (CUDA_LAUNCH_BLOCKING=1) the failing call is Inductor's
 `aten._scaled_dot_product_cudnn_attention_backward` of the masked joint attention at symbolic sequence lengths
-("Expected mha_graph.execute(...).is_good()"), not a generated Triton kernel (benchmarks/RESULTS.md, issue 22
+("Expected mha_graph.execute(...).is_good()"), not a generated Triton kernel (benchmarks/LOG.md, issue 22
 run Y). The eager path and the compiled qwen_image blocks never failed.
 
 Here each block's forward runs under `torch.nn.attention.sdpa_kernel` with the backends enabled at wrap time
@@ -51,7 +51,7 @@ def unreplayed_forwards():
 def exclude_cudnn_attention(blocks: list[torch.nn.Module], except_unreplayed: bool = False) -> list[SDPBackend]:
     """Run each block's forward under sdpa_kernel(backends_without_cudnn()); once per block. Returns the
     backends used. except_unreplayed: not within unreplayed_forwards() (flux: only cuDNN's backward faulted, and
-    its forward ran at 1.9x flash's rate at FLUX.1-dev's shapes, RESULTS.md run AY). Only there: a forward that a
+    its forward ran at 1.9x flash's rate at FLUX.1-dev's shapes, LOG.md run AY). Only there: a forward that a
     replay repeats (a rollout's window step, eager under no grad, and the update's forward under grad) must pick
     the same kernel both times, or the log-probs differ (run AY: 2.7e-6 when no-grad forwards used cuDNN)."""
     backends = backends_without_cudnn()

@@ -3,7 +3,7 @@
 diffusers applies the RoPE as a complex product: view_as_complex(x) * freqs_cis, then view_as_real. Inductor
 generates no code for complex operators ("does not support code generation for complex operators": it falls back
 to ATen between generated kernels), and the one compiled-2.1 kernel that failed on the GPU was a fused
-`..._view_as_complex` kernel of the RoPE backward (benchmarks/RESULTS.md runs F, V, W). Here the rope module's
+`..._view_as_complex` kernel of the RoPE backward (benchmarks/LOG.md runs F, V, W). Here the rope module's
 complex output is turned into its real pairs (S, D/2, 2) float32 before the blocks see it, and the product is
 written out in real arithmetic:
     (a + ib)(c + id) = (ac - bd) + i(ad + bc)

@@ -8,7 +8,7 @@ kernels are slower per multiply-add than conv2d ones. Inside `single_frame_convs
 frame in, no cache, full causal time padding, so one frame out) runs F.conv2d with weight[:, :, -1]; anything else
 (videos, cached chunks) runs diffusers' forward. The same math: only the order in which the kernel sums may
 differ (float64: equal to ~1e-15, float32: ~1e-6; tests/test_vae_single_frame.py). On the H200 the fp32 decode of
-4 images at 512 px took 118 ms per call as 3D convolutions (run O, benchmarks/RESULTS.md).
+4 images at 512 px took 118 ms per call as 3D convolutions (run O, benchmarks/LOG.md).
 """
 
 from __future__ import annotations
