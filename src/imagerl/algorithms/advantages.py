@@ -106,19 +106,19 @@ def per_reward_advantages(components: dict[str, torch.Tensor], weights: dict[str
             parts.append((name, values, scored))
     if not parts:
         return torch.zeros(group_ids.shape, dtype=torch.float64)
-    if len(parts) == 1:  # GDPO: `if self.apply_gdpo and len(self.reward_weights) > 1`, else GRPO on the weighted sum
-        name, values, scored = parts[0]
-        weighted = torch.where(scored, torch.as_tensor(weights[name], dtype=torch.float64) * values, 0.0)
-        adv = torch.zeros_like(values)
-        adv[scored] = group_advantages(weighted[scored], group_ids[scored], global_std=global_std,
-                                       eps=eps).to(torch.float64)
-        return adv
-    total = torch.zeros_like(parts[0][1])
-    for name, values, scored in parts:
+
+    def scored_advantages(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:  # 0 where not scored
         adv = torch.zeros_like(values)
         adv[scored] = group_advantages(values[scored], group_ids[scored], global_std=global_std,
                                        eps=eps).to(torch.float64)
-        total = total + torch.as_tensor(weights[name], dtype=torch.float64) * adv
+        return adv
+
+    if len(parts) == 1:  # GDPO: `if self.apply_gdpo and len(self.reward_weights) > 1`, else GRPO on the weighted sum
+        name, values, scored = parts[0]
+        return scored_advantages(torch.as_tensor(weights[name], dtype=torch.float64) * values, scored)
+    total = torch.zeros_like(parts[0][1])
+    for name, values, scored in parts:
+        total = total + torch.as_tensor(weights[name], dtype=torch.float64) * scored_advantages(values, scored)
     return batch_normalised(total)
 
 
