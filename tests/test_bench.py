@@ -205,3 +205,32 @@ def test_dry_bench_flux_runs_a_dancegrpo_style_loop_beside_imagerl(tmp_path):
     assert rows[0].text_tokens == rows[1].text_tokens == 64  # the dry geometry's T5 cap; no pooled row counted
     flops = [(r.rollout_mfu * r.rollout_s, r.train_mfu * r.train_s) for r in rows]
     assert flops[0] == pytest.approx(flops[1], rel=1e-9)
+
+
+def test_a_compile_failure_is_a_row_not_the_end_of_the_bench(tmp_path, monkeypatch):
+    """A profile or variant whose graphs the compiler rejects (torch 2.11's Inductor tiling assertion on FLUX.1's
+    blocks ended a whole device call, benchmarks/LOG.md run AZ) is reported in one line; the other variants run."""
+    import torch._dynamo.exc
+
+    import imagerl.perf.bench as bench_module
+
+    def rejected(*args, **kwargs):
+        raise torch._dynamo.exc.TorchDynamoException("AssertionError: \n\nSet TORCH_LOGS=+dynamo for more")
+
+    run_imagerl = bench_module.Bench.run_imagerl
+
+    def run_or_reject(self, name, overrides, ceiling):
+        return rejected() if name == "rejected" else run_imagerl(self, name, overrides, ceiling)
+
+    monkeypatch.setattr("imagerl.perf.profile.profile_step", rejected)
+    monkeypatch.setattr(bench_module.Bench, "run_imagerl", run_or_reject)
+    lines = []
+    rows = run_bench("qwen_image", {"rejected": [], "imagerl": []}, baseline=False, warmup=0, iterations=1,
+                     dry=True, out=tmp_path, profiles=[["parallel.compile=true"]], echo=lines.append)
+    printed = "\n".join(lines)
+    assert "profile parallel.compile=true: compile failed: TorchDynamoException: AssertionError:" in printed
+    assert [r.name for r in rows] == ["rejected", "imagerl"]
+    assert rows[0].note.startswith("compile failed") and rows[0].images_per_s != rows[0].images_per_s  # nan
+    assert rows[1].images_per_s > 0 and rows[1].log_prob_mean_abs_diff == 0.0
+    record = json.loads((tmp_path / "bench_qwen_image.json").read_text())
+    assert record["rows"][0]["note"].startswith("compile failed")

@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch._dynamo.exc
 
 from imagerl.perf.bench_rows import Row, format_table, iteration_record, make_row
 from imagerl.perf.family_parts import MODULE_FAMILIES, _forward_flops, family_module
@@ -59,6 +60,17 @@ DEFAULT_VARIANTS = {
                      "imagerl (recipe), off-window steps not KV-cached": ["sample.kv_cache=false"],
                      "imagerl (recipe), off-window steps in FP8": ["sample.off_window_fp8=true"]},
 }
+
+
+# torch._dynamo.exc.TorchDynamoException: Dynamo's and Inductor's errors (InductorError subclasses it), e.g. torch
+# 2.11's tiling assertion on FLUX.1's compiled blocks (benchmarks/LOG.md run AZ)
+CompileFailure = torch._dynamo.exc.TorchDynamoException
+
+
+def compile_failure_note(error: BaseException) -> str:
+    """One line: the compiler's exception class and the last line of its message that says something."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.startswith("Set TORCH")]
+    return f"compile failed: {type(error).__name__}" + (f": {lines[-1][:160]}" if lines else "")
 
 
 def geometry(family: str, dry: bool) -> list[str]:
@@ -440,7 +452,10 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
         bench = Bench(family, device, dry, Path(tmp), warmup, iterations, blocks=blocks)
         echo(f"built {family} (random weights) in {bench.build_s:.1f} s")
         for overrides in profiles:
-            text = profile_step(bench, overrides, ceiling=None if dry else ceiling)
+            try:
+                text = profile_step(bench, overrides, ceiling=None if dry else ceiling)
+            except CompileFailure as error:  # a result (the compiler's, not ours): the bench goes on
+                text = f"profile {' '.join(overrides)}: {compile_failure_note(error)}"
             echo(text)
             profile_text.append(text)
             if out is not None:
@@ -458,6 +473,10 @@ def run_bench(family: str = "qwen_image", variants: dict[str, list[str]] | None 
             except torch.OutOfMemoryError as error:  # a variant too big for the device: say so, go on with the rest
                 echo(f"{name}: out of memory ({str(error).splitlines()[0]})")
                 rows.append(Row.out_of_memory(name, overrides))
+            except CompileFailure as error:  # Dynamo / Inductor refused the variant's graphs: a row that says so
+                echo(f"{name}: {compile_failure_note(error)}")
+                rows.append(Row.failed(name, overrides, compile_failure_note(error)))
+                torch._dynamo.reset()  # the next variant compiles afresh
             bench.free_memory()  # what the failed variant's frames held, now that the exception is gone
             echo(format_table(rows[-1:], base))
             save()

@@ -27,10 +27,14 @@ class Row:
     note: str = ""
 
     @classmethod
-    def out_of_memory(cls, name: str, overrides: list) -> "Row":
+    def failed(cls, name: str, overrides: list, note: str) -> "Row":
+        """A variant that did not run to the end (out of memory, a compile error): NaN figures and why."""
         nan = float("nan")
-        return cls(name, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0, list(overrides), [],
-                   note="out of memory")
+        return cls(name, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0, list(overrides), [], note=note)
+
+    @classmethod
+    def out_of_memory(cls, name: str, overrides: list) -> "Row":
+        return cls.failed(name, overrides, "out of memory")
 
 
 def iteration_record(phases: dict[str, float], peak_gib: float, lp_diff: float, text_tokens: int,
