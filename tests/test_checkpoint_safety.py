@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_config
 from imagerl.algorithms.flow_grpo import NonFiniteError
-from imagerl.run.checkpoint import _checksums, latest_checkpoint, resolve_resume, verify_checkpoint
+from imagerl.run.checkpoint import _checksums, latest_checkpoint, recover_interrupted, resolve_resume, verify_checkpoint
 from imagerl.train import train
 
 COMMON = ["train.num_rollouts=2", "run.checkpoint_every=1", "run.keep_checkpoints=3"]
@@ -171,11 +171,13 @@ def test_a_kill_inside_the_swap_leaves_a_checkpoint_that_resume_recovers(run, tm
     # killed after the old step_000002 was renamed aside and before the new one was renamed into place
     shutil.copytree(ckpts / "step_000002", ckpts / "step_000002.tmp")
     (ckpts / "step_000002").rename(ckpts / "step_000002.old")
-    assert resolve_resume("latest", run_dir) == ckpts / "step_000002"
+    assert resolve_resume("latest", run_dir) == ckpts / "step_000002.tmp"  # found where it is: nothing renamed
+    recover_interrupted(run_dir)  # what a resume does once it holds the run directory's lock
+    assert latest_checkpoint(run_dir) == ckpts / "step_000002" and not (ckpts / "step_000002.old").exists()
     verify_checkpoint(ckpts / "step_000002")
-    assert (ckpts / "step_000002.old").is_dir()  # the stale copy stays until the next swap removes it
     # only the copy renamed aside is left of the final name: it goes back
-    shutil.rmtree(ckpts / "step_000002")
+    (ckpts / "step_000002").rename(ckpts / "step_000002.old")
+    recover_interrupted(run_dir)
     assert latest_checkpoint(run_dir) == ckpts / "step_000002" and not (ckpts / "step_000002.old").exists()
     verify_checkpoint(ckpts / "step_000002")
 

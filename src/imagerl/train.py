@@ -29,7 +29,8 @@ from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
 from imagerl.run.lock import hold_run_dir
 from imagerl.rewards.scoring import AsyncScorer, ScoredRollout
-from imagerl.run.lock import check_fresh_run_dir
+from imagerl.run.lock import check_fresh_run_dir, check_run_files, clear_run_outputs
+from imagerl.run.checkpoint import recover_interrupted
 from imagerl.validation import validate
 
 
@@ -50,21 +51,36 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Pa
         require_wandb()
     train_set, test_set = load_train_test(cfg.data)
     run_dir = cfg.output_dir
-    resume_from = resolve_resume(resume, run_dir) if resume else None
-    changed = check_resume_config(resume_from, cfg.to_dict()) if resume_from else []
-    if resume_from is not None:
-        done_before = read_state(resume_from)["step"]
-        if done_before >= cfg.train.num_rollouts:  # nothing to do: say so before anything loads
-            if world.is_main:
-                print(f"{run_dir} is complete: {done_before} of train.num_rollouts={cfg.train.num_rollouts} rollouts "
-                      f"done ({resume_from}). To train further: --resume {resume} "
-                      f"train.num_rollouts={done_before + cfg.train.num_rollouts}")
-            return run_dir
+    # every check that can refuse the run reads only and comes before the lock: a refused run (a link among the
+    # run's files, a resume that cannot continue, a directory that holds a run or is not imagerl's) changes nothing
+    check_run_files(run_dir)
+    resume_from, changed, done_before = _resume_point(cfg, resume, run_dir) if resume else (None, [], 0)
+    if resume_from is not None and done_before >= cfg.train.num_rollouts:  # nothing to do: say so before loading
         if world.is_main:
-            print(f"resuming {run_dir} after rollout {done_before} of {cfg.train.num_rollouts} from {resume_from}"
-                  + (f"; changed settings, applied: {', '.join(changed)}" if changed else ""))
+            print(f"{run_dir} is complete: {done_before} of train.num_rollouts={cfg.train.num_rollouts} rollouts "
+                  f"done ({resume_from}). To train further: --resume {resume} "
+                  f"train.num_rollouts={done_before + cfg.train.num_rollouts}")
+        return run_dir
+    if resume_from is None:
+        check_fresh_run_dir(run_dir, overwrite)  # every rank alike
     with hold_run_dir(run_dir, world):  # one writer: a second run into run_dir is refused, naming this one
+        if resume_from is not None:
+            if world.is_main:  # the run directory is this run's now: finish a checkpoint swap a kill interrupted
+                recover_interrupted(run_dir)
+            world.barrier()
+            if resolve_resume(resume, run_dir) != resume_from:  # recovery renamed it (step_N.tmp -> step_N)
+                resume_from, changed, done_before = _resume_point(cfg, resume, run_dir)
+            if world.is_main:
+                print(f"resuming {run_dir} after rollout {done_before} of {cfg.train.num_rollouts} from {resume_from}"
+                      + (f"; changed settings, applied: {', '.join(changed)}" if changed else ""))
         return _train(cfg, world, plan, train_set, test_set, resume_from, overwrite)
+
+
+def _resume_point(cfg: Config, resume: str, run_dir: Path) -> tuple[Path, list[str], int]:
+    """The checkpoint `resume` names, the changed settings it applies and the rollouts it has done. Reads only."""
+    resume_from = resolve_resume(resume, run_dir)
+    changed = check_resume_config(resume_from, cfg.to_dict())
+    return resume_from, changed, read_state(resume_from)["step"]
 
 
 def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | None, overwrite: bool) -> Path:
@@ -77,7 +93,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
 
     if world.is_main and resume_from is None and overwrite:  # after every config error, before the slow part
-        check_fresh_run_dir(run_dir, overwrite=True)
+        clear_run_outputs(run_dir)
     if world.is_main and world.device.type == "cpu":
         _warn_if_slow_on_cpu(cfg, world)
     adapter = load_adapter(cfg, world)  # LoRA added, activation checkpointing on

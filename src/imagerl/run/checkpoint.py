@@ -21,9 +21,11 @@ checked finite, so a corrupt checkpoint is refused with the file or tensor named
 checkpoint, whose .metadata and optimizer entries are pickles) is refused; `imagerl convert-checkpoint` converts it.
 
 A checkpoint is built in <name>.tmp by all ranks; after a barrier rank 0 writes state.json and renames
-it into place (an existing one renamed aside first), so a crash never leaves a checkpoint under a final name
-half-written, and resume recovers a complete .tmp or .old (latest_checkpoint also ignores directories without
-a readable state.json). Multi-node runs need the run directory on a shared filesystem. Every
+it into place (an existing one renamed aside as .old first), so a crash never leaves a checkpoint under a final
+name half-written; the next run, once it holds the run directory's lock, finishes a swap a kill interrupted
+(recover_interrupted). Only step_<digits> directories with a state.json are checkpoints (latest_checkpoint also
+skips one whose state.json does not read); a symbolic link among them is refused, never followed. Multi-node runs
+need the run directory on a shared filesystem. Every
 random stream of a run is derived from (seed, step, ...) (distributed/rng.py) and the prompt sampler's
 position from the step, so resuming from step n reproduces the uninterrupted run, on any world size.
 """
@@ -31,6 +33,7 @@ position from the step, so resuming from step n reproduces the uninterrupted run
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -41,6 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from imagerl.run.checkpoint_tensors import FORMAT, NonFiniteStateError, load_trainer_state, save_trainer_state
 from imagerl.distributed.parallel import World
+from imagerl.run.lock import CHECKPOINT_NAME, link_refusal
 
 PEFT_PREFIX = "base_model.model."
 
@@ -114,6 +118,9 @@ _ONE = World(0, 1, torch.device("cpu"))
 def _begin(run_dir: Path, step: int, world: World) -> tuple[Path, Path]:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
+    for path in (final.parent, final, tmp, final.with_name(final.name + ".old")):  # every rank alike
+        if path.is_symlink():  # writing or removing through it would change what it points to
+            raise ValueError(link_refusal(path))
     if world.is_main:
         if tmp.exists():
             _rmtree(tmp)
@@ -143,10 +150,11 @@ def _commit(run_dir: Path, step: int, final: Path, tmp: Path, module, optimizer,
     except Exception as e:
         if not _is_disk_full(e):
             raise
+        needed = _size_needed(run_dir, tmp, module, optimizer, extra, with_model)  # measured before tmp goes
         _discard(tmp, world)
         raise DiskFullError(f"no space left on the device of {run_dir} while writing checkpoint {final.name} "
-                            f"(it needs about {_size_needed(run_dir, tmp)}, {_free(run_dir)} free); "
-                            f"{_last_intact(run_dir)}. Free space, then continue with --resume latest") from None
+                            f"(it needs about {needed}, {_free(run_dir)} free) into {final.parent}; "
+                            f"{after_disk_full(run_dir)}") from None
     if world.is_main:
         _swap_into_place(tmp, final)
         prune_checkpoints(run_dir, keep)
@@ -178,24 +186,76 @@ def _last_intact(run_dir: Path) -> str:
     return f"the last checkpoint, {done[-1]}, is intact" if done else "no earlier checkpoint exists"
 
 
-def _complete(run_dir: Path) -> list[Path]:
-    return sorted(p for p in (run_dir / "checkpoints").glob("step_*")
-                  if not p.name.endswith((".tmp", ".old")) and (p / "state.json").is_file())
-
-
-def _size_needed(run_dir: Path, tmp: Path) -> str:
+def after_disk_full(run_dir: Path) -> str:
+    """What to do once a full disk stopped the run: continue from the last checkpoint, or start over before the
+    first one (--resume would find nothing)."""
     done = _complete(run_dir)
-    source = done[-1] if done else tmp  # a checkpoint is as large as the previous one; else what was written
-    size = sum(f.stat().st_size for f in source.rglob("*") if f.is_file() and not f.is_symlink())
-    return ("" if done else "more than ") + _mb(size)
+    if done:
+        return f"the last checkpoint, {done[-1]}, is intact. Free space, then continue with --resume latest"
+    return ("no checkpoint exists yet, so there is nothing to resume: free space, then start the run over "
+            "(imagerl train: the same command with --overwrite)")
+
+
+def _checkpoint_dirs(run_dir: Path) -> list[tuple[Path, str]]:
+    """(path, '' | '.tmp' | '.old') of each entry of checkpoints/ named as imagerl names checkpoints, by step; other
+    names are not imagerl's. A symbolic link among them (or checkpoints/ itself) is a ValueError naming it."""
+    ckpts = Path(run_dir) / "checkpoints"
+    found = []
+    if ckpts.is_symlink():
+        raise ValueError(link_refusal(ckpts))
+    for p in ckpts.iterdir() if ckpts.is_dir() else []:
+        match = CHECKPOINT_NAME.fullmatch(p.name)
+        if match and p.is_symlink():
+            raise ValueError(link_refusal(p))
+        if match:
+            found.append((int(match[1]), match[2] or "", p))
+    return [(p, suffix) for _, suffix, p in sorted(found)]
+
+
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / "state.json").is_file()
+
+
+def _complete(run_dir: Path) -> list[Path]:
+    """The checkpoints, oldest first: step_<digits> directories with a state.json."""
+    return [p for p, suffix in _checkpoint_dirs(run_dir) if not suffix and _is_complete(p)]
+
+
+def _size_needed(run_dir: Path, tmp: Path, module, optimizer, extra: dict | None, with_model: bool) -> str:
+    """A checkpoint is about as large as the previous one. The first: the tensors it holds (the trainable params in
+    trainer/ and, for a LoRA, twice more in lora/; AdamW's moments; the algorithm's tensors), or what was written of
+    it if that is more."""
+    done = _complete(run_dir)
+    if done:
+        return _size(_bytes_below(done[-1]))
+    params = _nbytes([p for p in module.parameters() if p.requires_grad])
+    estimate = params * (3 if with_model else 1) + _nbytes(list(optimizer.state.values())) + _nbytes(extra)
+    return _size(max(estimate, _bytes_below(tmp)))
+
+
+def _nbytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    return 0
+
+
+def _bytes_below(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _free(run_dir: Path) -> str:
-    return _mb(shutil.disk_usage(run_dir).free)
+    return _size(shutil.disk_usage(run_dir).free)
 
 
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MB"
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 2**30), ("MB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{max(1, round(n / 2**10))} KB"  # a tiny model's checkpoint is not "0.0 MB"
 
 
 def _rmtree(path: Path, ignore_errors: bool = False) -> None:
@@ -208,7 +268,7 @@ def _rmtree(path: Path, ignore_errors: bool = False) -> None:
 
 def _swap_into_place(tmp: Path, final: Path) -> None:
     """tmp -> final without a moment in which neither is complete: an existing final is renamed aside first and
-    removed last. A kill in between leaves a complete step_N.tmp or step_N.old that resolve_resume recovers."""
+    removed last. A kill in between leaves a complete step_N.tmp or step_N.old that recover_interrupted finishes."""
     old = final.with_name(final.name + ".old")
     if old.exists():
         _rmtree(old)
@@ -337,8 +397,9 @@ def save_model_dir(base: Path, transformer, out: Path, link: bool) -> Path:
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Remove all but the latest `keep` checkpoints and run.keep_best's (rank 0)."""
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+    """Remove all but the latest `keep` checkpoints and run.keep_best's (rank 0). Only complete step_<digits>
+    directories count and go; a user's step_000002_keep_me or step_notes.txt stays."""
+    done = _complete(run_dir)
     from imagerl.run.best_checkpoint import read_best
 
     best = read_best(run_dir)  # run.keep_best: the best checkpoint stays beside the latest `keep`
@@ -347,23 +408,44 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
             _rmtree(old)
 
 
+def _recovery(run_dir: Path) -> tuple[list[Path], list[tuple[Path, Path]], list[Path]]:
+    """How the swaps a kill interrupted (_swap_into_place) are finished, step by step: with step_N gone (moved
+    aside), a complete step_N.tmp (the newer checkpoint) becomes step_N, else a complete step_N.old goes back; a
+    step_N.old beside a complete step_N is the checkpoint it replaced, and goes. Returns (each step's complete
+    checkpoint where it is now, oldest first; the renames; the removals). Reads only."""
+    by_name: dict[str, dict[str, Path]] = {}
+    for p, suffix in _checkpoint_dirs(run_dir):
+        by_name.setdefault(p.name.removesuffix(suffix), {})[suffix] = p
+    current, renames, removals = [], [], []
+    for name, entries in by_name.items():
+        final, tmp, old = entries.get(""), entries.get(".tmp"), entries.get(".old")
+        if final is None:
+            final = next((p for p in (tmp, old) if p is not None and _is_complete(p)), None)
+            if final is not None:
+                renames.append((final, final.with_name(name)))
+        if final is not None and _is_complete(final):
+            current.append(final)
+            if old is not None and old != final:
+                removals.append(old)
+    return current, renames, removals
+
+
 def recover_interrupted(run_dir: Path) -> None:
-    """Finish a swap that a kill interrupted (_swap_into_place): step_N.tmp with its state.json written (complete)
-    becomes step_N when step_N is gone; a step_N.old with no step_N goes back."""
-    ckpts = run_dir / "checkpoints"
-    for suffix in (".tmp", ".old"):
-        for p in sorted(ckpts.glob(f"step_*{suffix}")) if ckpts.is_dir() else []:
-            final = p.with_name(p.name.removesuffix(suffix))
-            if not final.exists() and (p / "state.json").is_file():
-                p.rename(final)
+    """Finish the checkpoint swaps that kills interrupted (_recovery says how). Call only holding the run
+    directory's lock (rank 0), before resolving a resume: a run that is refused must not change a live one."""
+    _, renames, removals = _recovery(run_dir)
+    for source, target in renames:
+        source.rename(target)
+    for old in removals:  # after the renames: a kill in between leaves step_N and step_N.old, finished next time
+        _rmtree(old)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest checkpoint whose state.json reads; a broken one is skipped with a warning naming it."""
+    """The newest checkpoint whose state.json reads (a broken one is skipped with a warning naming it), where it is
+    now: a step_N.tmp or .old that recover_interrupted will rename. Reads only."""
     import warnings
 
-    recover_interrupted(run_dir)
-    for p in reversed(_complete(run_dir)):
+    for p in reversed(_recovery(run_dir)[0]):
         try:
             read_state(p)
             return p
@@ -403,10 +485,18 @@ def resolve_resume(resume: str, run_dir: Path) -> Path:
     path = run_dir if resume == "latest" else Path(resume)
     if (path / "state.json").is_file():
         read_state(path)  # a named checkpoint must read; "latest" falls back past broken ones
-        return path
-    found = latest_checkpoint(path) if path.is_dir() else None
+        found = path
+    else:
+        found = latest_checkpoint(path) if path.is_dir() else None
     if found is None:
         raise ValueError(f"--resume {resume}: no checkpoint found under {path} (expected checkpoints/step_*/state.json)")
+    for root, dirs, files in os.walk(found):  # links not followed
+        for name in dirs + files:
+            link = Path(root) / name
+            # checksums skip links, so a linked file would be read unverified; a full fine-tune's model/<component>
+            # links to the base model are imagerl's own
+            if link.is_symlink() and link.parent != found / "model":
+                raise ValueError(link_refusal(link))
     return found
 
 

@@ -4,13 +4,21 @@ Two runs started into one directory would both pass the empty-directory check an
 checkpoints and metrics.jsonl; the second is refused instead, with the holder's pid and host (written into the
 lock file). The kernel releases a flock when its holder exits or crashes, so a stale lock file never blocks a
 later run. On several ranks rank 0 takes the lock and every rank learns the outcome through one collective.
+
+A run directory cannot be turned against its owner: imagerl never follows a symbolic link among the files it keeps
+there (a link would make it overwrite or delete what the link points to), and a run refused at start (the
+directory in use, not empty, not a run directory, a link among its files, a resume that cannot continue) writes
+nothing: every check that can refuse reads only, and the lock is taken before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
 import json
 import os
+import re
 import socket
 import string
 import time
@@ -19,45 +27,76 @@ from pathlib import Path
 import torch
 
 LOCK_FILE = ".imagerl.lock"
+# the names imagerl gives its checkpoint directories: step_<digits>, with .tmp or .old while one is swapped in;
+# nothing else in checkpoints/ (a user's step_000002_keep_me, step_notes.txt) is a checkpoint or imagerl's to delete
+CHECKPOINT_NAME = re.compile(r"step_(\d+)(\.tmp|\.old)?")
 
 
 class RunDirInUse(ValueError):
     pass
 
 
-def _holder(file: Path) -> str:
-    try:
-        info = json.loads(file.read_text())
+def _holder(fd: int) -> str:
+    try:  # read through the descriptor that was opened without following links
+        info = json.loads(os.pread(fd, 4096, 0))
         return f"pid {info['pid']} on host {info['host']}, since {info['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that did not record itself"
 
 
+def link_refusal(path: Path) -> str:
+    fix = "move the link out of checkpoints/" if "checkpoints" in Path(path).parts else "remove the link"
+    return (f"{path} is a symbolic link among the files imagerl keeps in a run directory, and imagerl never follows "
+            f"one (it would write or delete what the link points to): {fix}, or choose another --output-dir (the run "
+            "directory itself may be a link)")
+
+
+def nofollow_opener(path, flags: int) -> int:
+    """os.open without following a symbolic link at `path` (an opener for open()); a link is a ValueError."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # what O_NOFOLLOW answers for a link
+            raise ValueError(link_refusal(Path(path))) from None
+        raise
+
+
 def acquire(run_dir: Path) -> int:
-    """Create run_dir if needed, take its lock (non-blocking) and record this process; return the lock's fd."""
+    """Create run_dir if needed, take its lock (non-blocking) and record this process; return the lock's fd. A
+    refusal (the directory in use, a link for the lock file) writes nothing."""
     import fcntl
 
-
-    check_output_dir(run_dir)  # creates it; an unwritable path is a ValueError naming it
-    file = Path(run_dir) / LOCK_FILE
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        check_output_dir(run_dir)  # creates it; an unwritable path is a ValueError naming it
+    file = run_dir / LOCK_FILE
     while True:
-        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = nofollow_opener(file, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            raise ValueError(f"run.output_dir {run_dir} is not writable: {e}; choose another with --output-dir") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            holder = _holder(fd)
             os.close(fd)
-            raise RunDirInUse(f"{run_dir} is in use by another imagerl run ({_holder(file)}); two runs in one "
+            raise RunDirInUse(f"{run_dir} is in use by another imagerl run ({holder}); two runs in one "
                               "directory would interleave their checkpoints and metrics. Wait for it to end, stop it, "
                               "or choose another --output-dir") from None
         try:  # the file we locked is still the one at the path (a failed run removes its lock file: see below)
-            if os.stat(file).st_ino == os.fstat(fd).st_ino:
+            if os.lstat(file).st_ino == os.fstat(fd).st_ino:
                 break
         except FileNotFoundError:
             pass
         os.close(fd)
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps(record).encode())
+    try:
+        check_output_dir(run_dir)  # a full disk or read-only mount, found now that the directory is this run's
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except BaseException:
+        release(fd)
+        raise
     return fd
 
 
@@ -130,24 +169,72 @@ def check_output_dir(path) -> Path:
 
 
 # what `imagerl train` writes in a run directory (--overwrite removes these and nothing else)
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "images", "checkpoints", "plots", "config.yaml", "config.resumed_*.yaml")
+RUN_OUTPUTS = ("metrics.jsonl", "metrics.jsonl.tmp", "tensorboard", "images", "checkpoints", "plots", "config.yaml",
+               "config.resumed_*.yaml")
+# every name imagerl keeps in a run directory (train and sft): none of them may be a symbolic link
+RUN_FILES = (*RUN_OUTPUTS, LOCK_FILE, "wandb_run_id", "sft_config.yaml")
+
+
+def check_run_files(run_dir) -> None:
+    """ValueError naming the first symbolic link among the files imagerl keeps in run_dir (RUN_FILES and everything
+    below them), links not followed. Allowed: a full fine-tuning checkpoint's model/<component> links to the base
+    model (checkpoints/step_N/model/*), which imagerl made. Reads only."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return
+    for entry in sorted(run_dir.iterdir()):
+        if not any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in RUN_FILES):
+            continue
+        if entry.is_symlink():
+            raise ValueError(link_refusal(entry))
+        for root, dirs, files in os.walk(entry):  # os.walk lists a link to a directory and does not enter it
+            for name in sorted(dirs + files):
+                path = Path(root) / name
+                parts = path.relative_to(run_dir).parts
+                made_by_imagerl = len(parts) == 4 and parts[0] == "checkpoints" and parts[2] == "model"
+                if path.is_symlink() and not made_by_imagerl:
+                    raise ValueError(link_refusal(path))
+
+
+def is_run_dir(path) -> bool:
+    """Whether imagerl ran in `path`: it holds imagerl's lock file (every run that got the directory leaves it) or a
+    complete checkpoint."""
+    path, checkpoints = Path(path), Path(path) / "checkpoints"
+    return (path / LOCK_FILE).is_file() or (checkpoints.is_dir() and any(
+        CHECKPOINT_NAME.fullmatch(p.name) and (p / "state.json").is_file() for p in checkpoints.iterdir()))
 
 
 def check_fresh_run_dir(path, overwrite: bool) -> None:
     """A new run (no --resume) refuses a run directory that already holds files: a second `imagerl train` would
-    overwrite its checkpoints, grids and plots and append a second history to metrics.jsonl. overwrite=True
-    removes imagerl's outputs (RUN_OUTPUTS) first; other files are left alone. Call on rank 0 only."""
-    import shutil
-
+    overwrite its checkpoints, grids and plots and append a second history to metrics.jsonl. With overwrite, a
+    directory imagerl did not run in is refused (its files are not imagerl's to delete). Reads only: the deleting is
+    clear_run_outputs'."""
     path = Path(path)
     present = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
     if not present:  # absent, empty, or only the lock file (this run's, or one a finished run left)
         return
-    ours = sorted({p for pattern in RUN_OUTPUTS for p in path.glob(pattern)})
-    if not overwrite:
-        held = ", ".join(p.name for p in ours[:4]) or ", ".join(present[:4])
-        raise FileExistsError(f"{path} already holds a run ({held}); continue it with `--resume latest` (same "
-                              f"--recipe/--output-dir), start over with --overwrite (deletes its checkpoints, "
-                              f"metrics, images and plots), or choose another --output-dir")
-    for p in ours:
+    if overwrite:
+        if not is_run_dir(path):
+            listing = ", ".join(present[:6]) + (f" and {len(present) - 6} more" if len(present) > 6 else "")
+            raise FileExistsError(f"--overwrite: {path} is not an imagerl run directory (it holds {listing}, and "
+                                  f"neither {LOCK_FILE} nor a checkpoint); imagerl deletes only what its own runs "
+                                  "wrote: choose another --output-dir")
+        return
+    ours = _outputs(path)
+    held = ", ".join(p.name for p in ours[:4]) or ", ".join(present[:4])
+    raise FileExistsError(f"{path} already holds a run ({held}); continue it with `--resume latest` (same "
+                          f"--recipe/--output-dir), start over with --overwrite (deletes its checkpoints, "
+                          f"metrics, images and plots), or choose another --output-dir")
+
+
+def clear_run_outputs(path) -> None:
+    """--overwrite: remove imagerl's outputs (RUN_OUTPUTS) from the run directory; other files are left alone. Call
+    on rank 0 only, holding the lock, after check_fresh_run_dir(path, overwrite=True)."""
+    import shutil
+
+    for p in _outputs(Path(path)):
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def _outputs(path: Path) -> list[Path]:
+    return sorted({p for pattern in RUN_OUTPUTS for p in path.glob(pattern)})

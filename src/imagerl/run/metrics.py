@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -102,8 +103,15 @@ def require_wandb():
     return wandb
 
 
+class MetricsWriteError(OSError):
+    """metrics.jsonl could not be written (a full disk): the message names the file; the file is as it was."""
+
+
 class MetricsLogger:
     """metrics.jsonl (+ TensorBoard, + Weights & Biases) on the main rank; the other ranks log nothing.
+
+    metrics.jsonl is never opened through a symbolic link, a record is appended whole or not at all (a failed write
+    is taken back), and resume's rewrite replaces the file atomically.
 
     W&B: the run id is kept in <run>/wandb_run_id, so a resumed run continues the same W&B run. The
     wandb import is checked on every rank (one clear error instead of rank 0 failing alone)."""
@@ -139,13 +147,24 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of rollouts after the checkpoint so the file has no duplicates, and lines that do
-        not parse (a line torn by a kill mid-write), with a warning."""
-        if not (self.enabled and self.path.is_file()):
+        not parse (a line torn by a kill mid-write), with a warning. The file is written whole to metrics.jsonl.tmp,
+        flushed to disk and renamed over metrics.jsonl: a kill at any moment leaves the old history or the new."""
+        if not self.enabled:
             return
         import warnings
 
+        from imagerl.run.lock import nofollow_opener
+
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # one a kill left behind (a link is removed, never followed)
+        try:
+            with open(self.path, "rb", opener=nofollow_opener) as f:
+                data = f.read()
+        except FileNotFoundError:
+            return
         kept = []
-        for number, line in text_lines(self.path):
+        for number, line in text_lines(self.path, data):
             try:
                 record = json.loads(line) if line.strip() else None
             except json.JSONDecodeError:
@@ -153,14 +172,29 @@ class MetricsLogger:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
                 kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        try:
+            with open(tmp, "xb", opener=nofollow_opener) as f:
+                f.write("".join(line + "\n" for line in kept).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)  # replaces the name: a link put there since is replaced, not followed
+            directory = os.open(self.run_dir, os.O_RDONLY)
+            try:
+                os.fsync(directory)  # the rename itself reaches the disk
+            finally:
+                os.close(directory)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise MetricsWriteError(f"{self.path}: rewriting it without the records after step {step} failed "
+                                    f"({e.strerror or e}); the file is as it was. {_after_failure(self.run_dir, e)}"
+                                    ) from None
 
     def log(self, step: int, metrics: dict[str, float], echo=print) -> None:
         if not self.enabled:
             return
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append((json.dumps(record) + "\n").encode(), step)
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
                    and not isinstance(v, bool) and math.isfinite(v)}
         if self.writer is not None:
@@ -171,6 +205,24 @@ class MetricsLogger:
             self.wandb_run.log(scalars, step=step)
         shown = "  ".join(f"{self._label(k)}={_fmt(metrics[k])}" for k in self.CONSOLE_KEYS if k in metrics)
         echo(f"[rollout {step}] {shown}")
+
+    def _append(self, line: bytes, step: int) -> None:
+        """Append one record whole: a write that fails part-way (a full disk) is cut back off, so that no torn line
+        is left, and raises MetricsWriteError naming the file."""
+        from imagerl.run.lock import nofollow_opener
+
+        with open(self.path, "ab", buffering=0, opener=nofollow_opener) as f:
+            size = os.fstat(f.fileno()).st_size
+            try:
+                rest = memoryview(line)
+                while rest:
+                    rest = rest[f.write(rest):]
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(f.fileno(), size)
+                raise MetricsWriteError(f"{self.path}: writing the record of step {step} failed "
+                                        f"({e.strerror or e}); the file is as it was before it. "
+                                        f"{_after_failure(self.run_dir, e)}") from None
 
     def _label(self, key: str) -> str:
         if key in self.CONSOLE_LABELS:
@@ -183,6 +235,17 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+def _after_failure(run_dir: Path, e: OSError) -> str:
+    import errno
+
+    from imagerl.run.checkpoint import after_disk_full
+
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = after_disk_full(run_dir)
+        return advice[0].upper() + advice[1:]
+    return "Once the cause is fixed, continue with --resume latest"
 
 
 def _clean(v):
@@ -269,13 +332,13 @@ def save_image_grid(images_B3HW: torch.Tensor, rewards_B: torch.Tensor, path: Pa
 # ---------------------------------------------------------------- metrics.jsonl and plots
 
 
-def text_lines(path: Path) -> list[tuple[int, str]]:
-    """(line number, text) of each line that decodes as UTF-8; a line that does not (bytes appended by something
-    else, a disk error) is skipped with a warning naming the file and line."""
+def text_lines(path: Path, data: bytes | None = None) -> list[tuple[int, str]]:
+    """(line number, text) of each line of `path` (or of its contents `data`) that decodes as UTF-8; a line that
+    does not (bytes appended by something else, a disk error) is skipped with a warning naming the file and line."""
     import warnings
 
     out = []
-    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+    for number, raw in enumerate((path.read_bytes() if data is None else data).splitlines(), 1):
         try:
             out.append((number, raw.decode("utf-8")))
         except UnicodeDecodeError:

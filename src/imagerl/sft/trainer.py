@@ -29,7 +29,8 @@ from imagerl.components import NAMED_MODELS, resolve_dtype, resolve_model_path
 from imagerl.distributed.parallel import World, resolve_device
 from imagerl.distributed.rng import make_generator
 from imagerl.families.model_defaults import ModelDefaults, model_defaults
-from imagerl.run.lock import hold_run_dir
+from imagerl.run.checkpoint import recover_interrupted
+from imagerl.run.lock import check_run_files, hold_run_dir
 from imagerl.sft.data import batch_indices, load_examples, load_image
 
 
@@ -218,6 +219,7 @@ def sft(cfg: SFTConfig, resume: str | None = None) -> SFTRun:
                               in NAMED_MODELS else str(Path(cfg.model).expanduser().resolve()))  # cwd-proof
     cfg = with_model_defaults(cfg, model_defaults(resolve_model_path(cfg.model)))
     run_dir = Path(cfg.output_dir)
+    check_run_files(run_dir)  # a symbolic link among the run's files: refused before anything is written
     with hold_run_dir(run_dir, World(0, 1, torch.device("cpu"))):  # one writer, as imagerl train (run_lock.py)
         return _sft(cfg, examples, run_dir, resume)
 
@@ -225,6 +227,8 @@ def sft(cfg: SFTConfig, resume: str | None = None) -> SFTRun:
 def _sft(cfg: SFTConfig, examples, run_dir: Path, resume: str | None) -> SFTRun:
     from imagerl.run.metrics import MetricsLogger, memory_metrics, progress_bar
 
+    if resume:
+        recover_interrupted(run_dir)  # the lock is held: finish a checkpoint swap a kill interrupted
     resume_from = resolve_resume(resume, run_dir) if resume else None
     if resume_from is None and list((run_dir / "checkpoints").glob("step_*")):
         raise ValueError(f"{run_dir} already holds checkpoints: continue with --resume latest or pick another --output-dir")
