@@ -96,3 +96,22 @@ def test_merged_lora_forwards_are_unreplayed():
         seen.append(attention_backends._UNREPLAYED)
     seen.append(attention_backends._UNREPLAYED)
     assert seen == [True, False]
+
+
+def test_flux_compiles_without_inductors_coalescing_analysis(tmp_path, monkeypatch):
+    """apply_parallelism calls the family's prepare_compile before compiling: FLUX.1's turns off the Inductor analysis
+    that torch 2.11 asserted in on its blocks (GPU only, benchmarks/LOG.md run AZ); its forward still compiles here."""
+    import torch._inductor.config as inductor_config
+
+    from imagerl.config import load_config
+    from imagerl.distributed.fsdp import apply_parallelism
+    from imagerl.distributed.parallel import World
+    from imagerl.families.flux import FluxFamily
+
+    monkeypatch.setattr(inductor_config.triton, "coalesce_tiling_analysis", True)
+    adapter = FluxFamily.from_pretrained(FluxFamily.build_tiny_checkpoint(tmp_path / "tiny-flux"), torch.device("cpu"),
+                                         torch.float32)
+    cfg = load_config("flux_ocr", ["parallel.compile=true", "model.device=cpu"])
+    apply_parallelism(adapter, cfg, World(0, 1, torch.device("cpu")))
+    assert inductor_config.triton.coalesce_tiling_analysis is False
+    assert all(block._compiled_call_impl is not None for block in adapter.transformer_blocks())

@@ -234,3 +234,20 @@ def test_a_compile_failure_is_a_row_not_the_end_of_the_bench(tmp_path, monkeypat
     assert rows[1].images_per_s > 0 and rows[1].log_prob_mean_abs_diff == 0.0
     record = json.loads((tmp_path / "bench_qwen_image.json").read_text())
     assert record["rows"][0]["note"].startswith("compile failed")
+
+
+def test_the_profile_counts_each_gpu_kernel_once():
+    """Inductor's "## Call CompiledFxGraph ##" ranges carry the device time of the kernels they launched: counted
+    with those kernels, a compiled step's kernel time exceeded its wall time (benchmarks/LOG.md run BA)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from imagerl.perf.profile import device_kernels
+
+    def event(key, device_type=DeviceType.CUDA, us=100.0):
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=us)
+
+    averages = [event("## Call CompiledFxGraph fabc ##", us=300.0), event("triton_poi_fused_add_0"),
+                event("nvjet_sm90_tst_192x192"), event("aten::mm", DeviceType.CPU), event("idle kernel", us=0.0)]
+    assert [e.key for e in device_kernels(averages)] == ["triton_poi_fused_add_0", "nvjet_sm90_tst_192x192"]

@@ -138,6 +138,15 @@ class FluxFamily(PackedLatentFamily):
         scheduler.set_timesteps(num_steps if grid is None else None, device="cpu", sigmas=grid, mu=mu)
         return scheduler.sigmas.to(torch.float32).to(self.device)
 
+    def prepare_compile(self) -> None:
+        """Inductor's coalescing analysis off (process-wide): on the GPU, torch 2.11's Triton scheduler asserted in
+        it (tiling_utils.get_pw_red_splits, pytorch/pytorch#197077) on FLUX.1's compiled blocks and no block
+        compiled; with it off every phase compiled and ran (benchmarks/LOG.md runs AZ, BA). The analysis only
+        chooses how kernels tile their loops, not what they compute."""
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.coalesce_tiling_analysis = False
+
     def transformer_blocks(self) -> list[torch.nn.Module]:
         """The 19 double-stream then the 38 single-stream blocks (FLUX.1): both run through diffusers' gradient
         checkpointing branch, and each is a unit of compile and sharding."""
