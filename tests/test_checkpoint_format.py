@@ -3,6 +3,7 @@ run), format 1 is converted only on request and exactly, and a full disk is one 
 intact (tiny checkpoint, CPU)."""
 
 import errno
+import io
 import json
 import shutil
 
@@ -85,11 +86,11 @@ def test_convert_checkpoint_rewrites_format_1_exactly_and_the_run_resumes(nft_ru
     ckpt = run_dir / "checkpoints" / "step_000001"
     original = _as_format_1(ckpt)
     assert main(["train", "--resume", str(ckpt), "--output-dir", str(run_dir)]) == 2
-    assert f"imagerl convert-checkpoint {ckpt}" in capsys.readouterr().err
-    assert main(["convert-checkpoint", str(ckpt)]) == 0
+    assert f"imagerl convert-checkpoint --trust-pickle {ckpt}" in capsys.readouterr().err
+    assert main(["convert-checkpoint", "--trust-pickle", str(ckpt)]) == 0
     assert verify_checkpoint(ckpt)["format"] == 2 and not (ckpt / "dcp").exists()
     assert _tree_equal(read_trainer_state(ckpt / "trainer"), original)
-    assert main(["convert-checkpoint", str(ckpt)]) == 2  # a second time: already format 2
+    assert main(["convert-checkpoint", "--trust-pickle", str(ckpt)]) == 2  # a second time: already format 2
     assert "already in format 2" in capsys.readouterr().err
     # resumed from the converted checkpoint, rollout 2 ends where the uninterrupted run ended
     resumed = tmp_path / "resumed"
@@ -98,6 +99,40 @@ def test_convert_checkpoint_rewrites_format_1_exactly_and_the_run_resumes(nft_ru
     train(tiny_config(tiny_checkpoint, resumed, *COMMON, *NFT), resume="latest")
     assert _tree_equal(read_trainer_state(resumed / "checkpoints" / "step_000002" / "trainer"),
                        read_trainer_state(nft_run / "checkpoints" / "step_000002" / "trainer"))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_convert_checkpoint_unpickles_only_with_trust_pickle_or_a_yes_on_a_terminal(nft_run, tmp_path, capsys,
+                                                                                    monkeypatch):
+    import pickle
+
+    from test_checkpoint_safety import _Exploit, _rewrite_checksums
+
+    run_dir = _copy(nft_run, tmp_path)
+    crafted, genuine = run_dir / "checkpoints" / "step_000001", run_dir / "checkpoints" / "step_000002"
+    _as_format_1(crafted)
+    marker = tmp_path / "pwned"
+    (crafted / "dcp" / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))  # reading it creates `marker`
+    _rewrite_checksums(crafted)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no terminal: the flag or nothing
+    assert main(["convert-checkpoint", str(crafted)]) == 2
+    err = capsys.readouterr().err
+    assert "can run code" in err and "--trust-pickle" in err.strip().splitlines()[-1]
+    assert not marker.exists() and (crafted / "dcp").is_dir()
+    answers = []
+    monkeypatch.setattr("sys.stdin", _Terminal(""))
+    monkeypatch.setattr("builtins.input", lambda prompt: answers.append(prompt) or "n")
+    assert main(["convert-checkpoint", str(crafted)]) == 2
+    assert len(answers) == 1 and "can run code" in capsys.readouterr().err
+    assert not marker.exists() and (crafted / "dcp").is_dir()
+    original = _as_format_1(genuine)
+    monkeypatch.setattr("builtins.input", lambda prompt: "yes")
+    assert main(["convert-checkpoint", str(genuine)]) == 0
+    assert verify_checkpoint(genuine)["format"] == 2 and _tree_equal(read_trainer_state(genuine / "trainer"), original)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])

@@ -64,9 +64,7 @@ def _resume_config(resume: str, output_dir: str | None, overrides: list[str]):
 
 
 def _sft(args) -> int:
-    import yaml
-
-    from imagerl.sft.trainer import SFTConfig, export_model, load_sft_config, sft
+    from imagerl.sft.trainer import SFTConfig, export_model, load_sft_config, read_saved_sft_config, sft
 
     if args.export:
         if args.model or args.data or args.resume or args.overrides:
@@ -74,7 +72,7 @@ def _sft(args) -> int:
         print(f"wrote {export_model(args.export[0], args.export[1], dtype=args.export_dtype, link=args.link)}")
         return 0
     saved = Path(args.output_dir or SFTConfig.output_dir) / "sft_config.yaml"
-    base = yaml.safe_load(saved.read_text()) if args.resume and saved.is_file() else None
+    base = read_saved_sft_config(saved) if args.resume and saved.is_file() else None
     flags = [f"model={args.model}"] if args.model else []
     flags += [f"data={args.data}"] if args.data else []
     flags += [f"family={args.family}"] if args.family else []
@@ -184,11 +182,22 @@ def _bench(args) -> int:
 
 
 def _convert_checkpoint(args) -> int:
-    from imagerl.run.checkpoint_convert import convert_checkpoint
+    from imagerl.run.checkpoint_convert import check_convertible, convert_checkpoint
 
-    for path in args.checkpoints:
-        print(f"converting {path} (reading format 1 unpickles its dcp/ files: only for checkpoints you trust)")
-        convert_checkpoint(Path(path))
+    paths = [Path(p) for p in args.checkpoints]
+    for path in paths:  # state.json, format and checksums: nothing unpickled yet
+        check_convertible(path)
+    print("imagerl: format 1 keeps its metadata and optimizer entries as Python pickles, and reading a pickle can "
+          f"run code (any code its author chose): convert only checkpoints you trust ({', '.join(map(str, paths))})",
+          file=sys.stderr)
+    if not args.trust_pickle:
+        if not sys.stdin.isatty():
+            raise ValueError("nothing converted: convert-checkpoint reads pickles only with --trust-pickle (or a "
+                             "yes on a terminal); pass --trust-pickle for checkpoints you trust")
+        if input("Read these pickles? [y/N] ").strip().lower() not in ("y", "yes"):
+            raise ValueError("nothing converted (not confirmed); --trust-pickle converts without asking")
+    for path in paths:
+        convert_checkpoint(path, trust_pickle=True)
         print(f"converted {path} to format 2 (trainer/: safetensors + JSON); resume it with --resume {path}")
     return 0
 
@@ -330,8 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert-checkpoint", help="rewrite a checkpoint of imagerl's format 1 (torch.distributed."
                        "checkpoint, pickles) in format 2 (safetensors + JSON), in place",
                        description="Format 1's dcp/ holds Python pickles, which can run code when read: resume refuses "
-                       "it. This command reads it once with torch.distributed.checkpoint's loader; run it only on "
-                       "checkpoints you trust.")
+                       "it. This command reads it once with torch.distributed.checkpoint's loader, only with "
+                       "--trust-pickle (or a yes on a terminal); run it only on checkpoints you trust.")
+    p.add_argument("--trust-pickle", action="store_true", help="read the format-1 pickles without asking (they can "
+                   "run code: only for checkpoints you trust)")
     p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help="checkpoint directories (runs/X/checkpoints/"
                    "step_N)")
     p.set_defaults(fn=_convert_checkpoint)

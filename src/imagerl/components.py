@@ -90,6 +90,17 @@ def prepare_adapter(adapter, cfg: Config):
     return adapter
 
 
+def check_adamw(lr: float, weight_decay: float, prefix: str = "") -> None:
+    """AdamW moves each weight by about lr per step, and decays it by the factor 1 - lr x weight_decay: lr above 1
+    or a factor below 0 (which flips every weight's sign) is no learning rate."""
+    if lr > 1:
+        raise ValueError(f"{prefix}lr must be at most 1 (AdamW moves each weight by about lr per step; the recipes "
+                         f"use 1e-4 to 1e-3), got {lr}")
+    if lr * weight_decay > 1:
+        raise ValueError(f"{prefix}weight_decay={weight_decay} with {prefix}lr={lr}: AdamW multiplies the weights by "
+                         f"1 - lr x weight_decay = {1 - lr * weight_decay:.3g} each step; keep lr x weight_decay <= 1")
+
+
 def make_optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
     t = cfg.train
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,

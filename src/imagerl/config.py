@@ -19,6 +19,9 @@ from pathlib import Path
 import yaml
 
 
+MAX_LORA_RANK = 4096  # above every family's hidden size (3072 at most): a larger rank adds nothing but memory
+
+
 @dataclass
 class ModelConfig:
     path: str = "tiny"
@@ -32,6 +35,7 @@ class ModelConfig:
     dtype: str = "auto"
     """Forward dtype of the transformer and text encoder: "auto" (bfloat16 on GPU, float32 on CPU), "float32", "bfloat16"."""
     lora_rank: int = 64
+    """1 to MAX_LORA_RANK (4096)."""
     lora_alpha: int = 128
     lora_init: str = "gaussian"
     """PEFT init_lora_weights: "gaussian" (flow_grpo) or "default"; both start with B = 0 (no effect at step 0)."""
@@ -501,7 +505,7 @@ def load_config(recipe: str = "quickstart", overrides: list[str] = ()) -> Config
     elif not path.is_file():
         raise ValueError(f"recipe file {path} does not exist")
     try:
-        data = _safe_load(path.read_text(), f"recipe {path}") or {}
+        data = safe_load_yaml(path.read_text(), f"recipe {path}") or {}
     except yaml.YAMLError as e:
         raise ValueError(f"recipe {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
@@ -519,7 +523,7 @@ def config_from_dict(data: dict, overrides: list[str] = ()) -> Config:
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
         try:
-            value = _safe_load(raw, f"override {item[:60]!r}") if raw.strip() else raw  # "x= " keeps the space
+            value = safe_load_yaml(raw, f"override {item[:60]!r}") if raw.strip() else raw  # "x= " keeps the space
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r}: cannot parse value: {e}") from e
         _set(cfg, key.strip(), value)
@@ -531,10 +535,13 @@ def config_from_dict(data: dict, overrides: list[str] = ()) -> Config:
 MAX_EXPANDED_VALUES = 100_000
 
 
-def _safe_load(text: str, what: str):
-    """yaml.safe_load, refusing a document whose aliases expand past MAX_EXPANDED_VALUES values."""
-    data = yaml.safe_load(text)
+def safe_load_yaml(text: str, what: str):
+    """yaml.safe_load, refusing a document whose aliases expand past MAX_EXPANDED_VALUES values or that nests past
+    Python's recursion limit (PyYAML composes and builds nodes recursively). Every YAML imagerl reads as settings
+    goes through this: recipes, overrides, sft settings and a run's saved sft_config.yaml. `what` names the file or
+    the setting in the message."""
     try:
+        data = yaml.safe_load(text)
         size = _expanded_size(data, {})
     except RecursionError:
         raise ValueError(f"{what} is nested too deeply to be a config") from None
@@ -581,7 +588,7 @@ def planned_rollouts(run_dir: Path) -> tuple[int, Path] | None:
     files = [p for p in [Path(run_dir) / "config.yaml", *Path(run_dir).glob("config.resumed_*.yaml")] if p.is_file()]
     for path in sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True):
         try:
-            value = ((_safe_load(path.read_text(), str(path)) or {}).get("train") or {}).get("num_rollouts")
+            value = ((safe_load_yaml(path.read_text(), str(path)) or {}).get("train") or {}).get("num_rollouts")
         except (ValueError, yaml.YAMLError, AttributeError, OSError):
             continue
         if isinstance(value, int) and not isinstance(value, bool):

@@ -29,8 +29,7 @@ def sample_images(model: str, prompts: list[str], *, family: str = "auto", lora:
     for flag, value in (("--steps", num_steps), ("--height", height), ("--width", width)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if lora:  # before the model loads
-        check_lora_dir(Path(lora))
+    checked = check_lora_dir(Path(lora)) if lora else None  # read and checked before the model loads
     path = resolve_model_path(model)
     cls = family_class(path, family)
     defaults = model_defaults(path)
@@ -38,8 +37,8 @@ def sample_images(model: str, prompts: list[str], *, family: str = "auto", lora:
                                               guidance_scale=guidance_scale)
     dev = resolve_device(device)
     adapter = cls.from_pretrained(path, dev, resolve_dtype(dtype, dev))
-    if lora:
-        load_lora(adapter, Path(lora))
+    if checked is not None:
+        load_lora(adapter, checked)
     if log is not None:
         log(f"{h}x{w} px, {steps} steps, guidance {guidance:g}"
             + (f" (defaults: the model's {defaults.source.name})" if defaults.source else ""))

@@ -13,8 +13,8 @@ from imagerl.algorithms import make_algorithm
 from imagerl.algorithms.advantages import rollout_advantages
 from imagerl.algorithms.base import NonFiniteError
 from imagerl.run.best_checkpoint import is_new_best, write_best
-from imagerl.run.checkpoint import (check_resume_config, load_checkpoint, prune_checkpoints, read_state, resolve_resume,
-                                save_checkpoint)
+from imagerl.run.checkpoint import (check_checkpoint, check_resume_config, load_checkpoint, prune_checkpoints,
+                                   resolve_resume, save_checkpoint)
 from imagerl.components import load_adapter, make_optimizer, resolve_family_defaults
 from imagerl.config import Config, save_config
 from imagerl.run.console import format_duration, quiet_library_progress
@@ -80,7 +80,7 @@ def _resume_point(cfg: Config, resume: str, run_dir: Path) -> tuple[Path, list[s
     """The checkpoint `resume` names, the changed settings it applies and the rollouts it has done. Reads only."""
     resume_from = resolve_resume(resume, run_dir)
     changed = check_resume_config(resume_from, cfg.to_dict())
-    return resume_from, changed, read_state(resume_from)["step"]
+    return resume_from, changed, check_checkpoint(resume_from)["step"]  # its files, before a model loads
 
 
 def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | None, overwrite: bool) -> Path:
@@ -109,11 +109,8 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     algo = make_algorithm(cfg, adapter)
     scoring = AsyncScorer(scorer, enabled=cfg.reward.async_scoring)
     sampler = make_sampler(cfg, train_set, world)
+    # the optimizer keeps this run's lr, betas, eps and weight decay (load_trainer_state)
     start = load_checkpoint(resume_from, adapter, optimizer, world, algo.checkpoint_state()) if resume_from else 0
-    if resume_from:  # the optimizer state carries the checkpoint's hyperparameters: this run's apply
-        t = cfg.train
-        for group in optimizer.param_groups:
-            group.update(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
     save = _saver(cfg, adapter, optimizer, algo, run_dir, world)
     logger = MetricsLogger(run_dir, world.is_main, cfg.run.tensorboard, wandb=cfg.run.wandb, config=cfg)
     logger.truncate_after(start)
@@ -235,6 +232,13 @@ def _drift_monitor(cfg: Config, run_dir: Path, start: int, world):
     if start > 0 and (run_dir / "metrics.jsonl").is_file():
         records = read_metrics(run_dir)
         first = next((r for r in records if r.get("step") == 1 and "monitor/saturation" in r), None)
+        keys = [f"monitor/{n}{s}" for n in MONITORS for s in ("", "_std")]
+        if first is not None and not all(type(first.get(k)) in (int, float) for k in keys):
+            import warnings
+
+            warnings.warn(f"{run_dir / 'metrics.jsonl'}: rollout 1's record lacks some drift-monitor values; the drift "
+                          f"monitors measure from rollout {start + 1} instead", stacklevel=2)
+            first = None
         if first is not None:
             monitor.load_state({"reference": {n: (first[f"monitor/{n}"], first[f"monitor/{n}_std"]) for n in MONITORS}})
             for r in records:  # replay the warning schedule, so a resumed run warns as an

@@ -7,11 +7,13 @@ import math
 import warnings
 from dataclasses import dataclass
 
-from imagerl.config import Config, training_batch_size
+from imagerl.components import check_adamw
+from imagerl.config import MAX_LORA_RANK, Config, training_batch_size
 from imagerl.distributed.parallel import validate_parallel
 from imagerl.run.lock import validate_output_dir
 
 LATENT_PIXELS = 16  # sample.height/width step: VAE factor 8 x patch size 2 (QwenImageAdapter.latent_grid)
+FLOAT32_MAX = 3.4028234663852886e38  # settings become float32 scalars in tensor ops: a larger one is an error there
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
         if value % LATENT_PIXELS:  # qwen_image21 needs multiples of 32: its adapter checks when the model loads
             raise ValueError(f"{key} must be a positive multiple of {LATENT_PIXELS} (the VAE's factor 8 x the "
                              f"transformer's patch size 2, qwen_image latent_grid), got {value}")
+    if cfg.model.lora_rank > MAX_LORA_RANK:
+        raise ValueError(f"model.lora_rank must be at most {MAX_LORA_RANK} (above every family's hidden size, so "
+                         f"nothing but memory), got {cfg.model.lora_rank}; the recipes use 8 to 64")
     if cfg.model.lora_alpha <= 0:
         raise ValueError(f"model.lora_alpha must be > 0 (the LoRA scale is lora_alpha / lora_rank), got "
                          f"{cfg.model.lora_alpha}")
@@ -89,6 +94,10 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
                        "train.adam_eps": t.adam_eps}.items():
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{key} must be a finite number >= 0, got {value}")
+        if value > FLOAT32_MAX:
+            raise ValueError(f"{key} must be at most 3.4e38 (float32's largest: tensor code takes it as a float32), "
+                             f"got {value}")
+    check_adamw(t.lr, t.weight_decay, "train.")
     for key, value in {"train.adam_beta1": t.adam_beta1, "train.adam_beta2": t.adam_beta2}.items():
         if not 0 <= value < 1:
             raise ValueError(f"{key} must be in [0, 1) (an Adam moment decay), got {value}")

@@ -74,6 +74,8 @@ def load_prompt_set(path: str | Path, key: str = "data.train_prompts") -> Prompt
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+            except RecursionError:  # json recurses into nested lists and objects
+                raise ValueError(f"{path}:{lineno}: nested too deeply to be a prompt record") from None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
                 raise ValueError(f'{path}:{lineno}: each line must be a JSON object with a non-empty "prompt" string')
             prompts.append(record["prompt"].strip())

@@ -300,15 +300,15 @@ def apply_reward_overrides(cfg, overrides: list[str]) -> None:
     """`reward.key=value` items (the only settings `imagerl eval` takes besides its flags) into cfg."""
     import yaml
 
-    from imagerl.config import _set
+    from imagerl.config import _set, safe_load_yaml
 
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.startswith("reward."):
-            raise ValueError(f"{item!r}: only reward settings can be given here, as reward.key=value "
+            raise ValueError(f"{item[:60]!r}: only reward settings can be given here, as reward.key=value "
                              "(e.g. reward.clip_model=/models/clip-vit-large-patch14)")
         try:
-            _set(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else raw)
+            _set(cfg, key.strip(), safe_load_yaml(raw, f"override {item[:60]!r}") if raw.strip() else raw)
         except yaml.YAMLError as e:
             raise ValueError(f"{item!r}: cannot parse value: {e}") from e
 
@@ -330,7 +330,7 @@ def cli_evaluate(args) -> EvalResult:
     import dataclasses
     import json
 
-    from imagerl.run.checkpoint import load_lora
+    from imagerl.run.checkpoint import check_lora_dir, load_lora
     from imagerl.components import resolve_dtype, resolve_model_path
     from imagerl.config import Config
     from imagerl.data.prompts import load_prompt_set, resolve_prompt_file
@@ -358,13 +358,14 @@ def cli_evaluate(args) -> EvalResult:
     test_set = load_prompt_set(resolve_prompt_file(args.prompts), key="--prompts")
     validate_prompts(cfg.reward.weights, test_set.prompts, test_set.metadata)
 
+    lora = check_lora_dir(Path(args.lora)) if args.lora else None  # read and checked before the model loads
     family = family_class(path, args.family or "auto")
     cfg.sample.height, cfg.sample.width, cfg.eval.num_steps, cfg.eval.guidance_scale = defaults.sampling(
         family, height=args.height, width=args.width, num_steps=args.steps, guidance_scale=args.guidance)
     cfg.sample.negative_prompt = args.negative_prompt
     adapter = family.from_pretrained(path, world.device, resolve_dtype(args.dtype, world.device))
-    if args.lora:
-        load_lora(adapter, Path(args.lora))
+    if lora is not None:
+        load_lora(adapter, lora)
     cfg.eval.seed, cfg.eval.batch_size, cfg.eval.max_prompts = args.seed, args.batch_size, args.max_prompts
     scorer = Scorer(cfg.reward, world.device)
     if world.is_main:

@@ -40,13 +40,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from imagerl.run.checkpoint_tensors import FORMAT, NonFiniteStateError, load_trainer_state, save_trainer_state
+from imagerl.run.checkpoint_tensors import (FORMAT, NonFiniteStateError, check_trainer_files, load_trainer_state,
+                                             save_trainer_state)
+from imagerl.run.load_checks import (FLOAT_DTYPES, PEFT_PREFIX, LoraFiles, check_dtypes, check_lora_matches,
+                                     check_weights_dir, parse_json, read_json, read_lora_dir, read_tensors,
+                                     safetensors_header)
 from imagerl.distributed.parallel import World
 from imagerl.run.lock import CHECKPOINT_NAME, link_refusal
-
-PEFT_PREFIX = "base_model.model."
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -68,24 +70,23 @@ def save_lora(adapter, directory: Path, state: dict[str, torch.Tensor] | None = 
     pipeline.save_lora_weights(directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata)
 
 
-def check_lora_dir(directory: Path) -> None:
-    """ValueError unless `directory` holds a PEFT adapter; cheap, so callers check before loading a model."""
-    config_file, weights = directory / "adapter_config.json", directory / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights.is_file():
-        hint = ("" if directory.is_dir() else " (it does not exist)") + (
-            f"; its lora/ folder is {directory / 'lora'}" if (directory / "lora" / "adapter_config.json").is_file()
-            else "")
-        raise ValueError(f"--lora {directory}: expected adapter_config.json and adapter_model.safetensors "
-                         f"(the lora/ folder of an imagerl checkpoint){hint}")
+def check_lora_dir(directory: Path) -> LoraFiles:
+    """The PEFT adapter in `directory` (adapter_config.json + adapter_model.safetensors), read and checked as far as
+    it can be without the model (load_checks.read_lora_dir), so callers check it before loading a model and pass
+    the result to load_lora. ValueError names the file."""
+    return read_lora_dir(Path(directory))
 
 
-def load_lora(adapter, directory: Path) -> None:
-    """Add the adapter described by a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
-    check_lora_dir(directory)
-    config = json.loads((directory / "adapter_config.json").read_text())
-    adapter.add_lora(config["r"], config["lora_alpha"], True, config["target_modules"])
-    state = load_file(directory / "adapter_model.safetensors")
-    adapter.load_lora_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
+def load_lora(adapter, lora: Path | LoraFiles) -> None:
+    """Add the adapter of a PEFT directory (or its check_lora_dir) to the model: refused unless it has every LoRA
+    tensor the model's layers take, of their shapes, and no other."""
+    lora = lora if isinstance(lora, LoraFiles) else check_lora_dir(lora)
+    try:
+        adapter.add_lora(lora.rank, lora.alpha, True, lora.target_modules)
+    except ValueError as e:  # PEFT: target modules the model does not have
+        raise ValueError(f"{lora.config_file}: {e}") from e
+    check_lora_matches(adapter.transformer, lora)
+    adapter.load_lora_state_dict(lora.state)
 
 
 def save_checkpoint(run_dir: Path, step: int, adapter, optimizer, config: dict, keep: int,
@@ -313,6 +314,8 @@ def verify_files(path: Path, state: dict) -> None:
     if expected is None:
         raise ValueError(f"{path}: state.json has no checksums (a checkpoint from an older imagerl, or edited); "
                          "imagerl only resumes checksummed checkpoints")
+    if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+        raise ValueError(f"{path / 'state.json'}: 'sha256' must map each file to its checksum; the file was edited")
     actual = _checksums(path)
     for name in sorted(set(expected) | set(actual)):
         if name not in actual:
@@ -332,20 +335,44 @@ def check_format(path: Path, state: dict) -> None:
         raise ValueError(f"{path} is in imagerl's checkpoint format 1 (torch.distributed.checkpoint, imagerl 0.1.0 "
                          "before 2026-12-06), whose metadata and optimizer entries are Python pickles that run code "
                          "when loaded; imagerl no longer loads it. If you trust its origin, convert it (this "
-                         f"unpickles it once): imagerl convert-checkpoint {path}")
+                         f"unpickles it once): imagerl convert-checkpoint --trust-pickle {path}")
     raise ValueError(f"{path}: state.json says format {state.get('format')!r}; this imagerl reads format {FORMAT}")
 
 
 def read_state(path: Path) -> dict:
-    """A checkpoint's state.json, with errors that name the file."""
+    """A checkpoint's state.json, with errors that name the file: 'step' (the rollouts done) a non-negative
+    integer (not a bool, which json's true would be), 'config' a mapping."""
     file = path / "state.json"
     try:
-        state = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
+        state = read_json(file)  # its ValueErrors name the file
+    except OSError as e:
         raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e})") from e
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+    if not isinstance(state, dict) or type(state.get("step")) is not int:
         raise ValueError(f"{file} is not an imagerl checkpoint state (no integer 'step')")
+    if state["step"] < 0:
+        raise ValueError(f"{file}: 'step' is {state['step']}; it counts the rollouts done, never negative: the file "
+                         "was edited; resume from another checkpoint")
+    if not isinstance(state.get("config", {}), dict):
+        raise ValueError(f"{file}: 'config' must be a mapping of settings; the file was edited")
     return state
+
+
+def check_checkpoint(path: Path) -> dict:
+    """Everything about a checkpoint that can be checked before a model loads, so that a bad one is refused in
+    seconds, not after the model (minutes at 20 B): state.json, the format (format 1's pickles are never opened),
+    every file's checksum, the trainer state's structure and its tensors' dtypes (read from the header), the RNG
+    files. Returns state.json."""
+    state = verify_checkpoint(path)
+    check_trainer_files(path / "trainer")
+    for file in sorted((path / "rng").glob("*.safetensors")):
+        _read_rng(file)
+    if (path / "model" / "transformer").is_dir():  # a full fine-tune's weights: their dtypes, from the headers
+        for file in sorted((path / "model" / "transformer").glob("*.safetensors")):
+            check_dtypes(file, safetensors_header(file, _RESUME_HINT)[0], lambda key: FLOAT_DTYPES, _RESUME_HINT)
+    return state
+
+
+_RESUME_HINT = "resume from an earlier checkpoint (--resume <run>/checkpoints/step_N)"
 
 
 def _save_rng(file: Path) -> None:
@@ -360,20 +387,52 @@ def _save_rng(file: Path) -> None:
                                        "numpy": json.dumps([kind, int(pos), int(has_gauss), float(cached)])})
 
 
-def _load_rng(file: Path) -> None:
-    from safetensors import safe_open
+def _read_rng(file: Path) -> dict:
+    """A process's RNG file, checked by setting each state on a generator of its own (not the process's): ValueError
+    naming the file unless every state is there with the form its generator takes."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{file}: {what}; the RNG file is damaged or was not written by imagerl: {_RESUME_HINT}")
 
-    with safe_open(str(file), "pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    torch.set_rng_state(tensors["torch"])
-    version, internal, gauss = json.loads(meta["python"])
-    random.setstate((version, tuple(internal), gauss))
-    kind, pos, has_gauss, cached = json.loads(meta["numpy"])
-    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+    meta = safetensors_header(file, _RESUME_HINT)[1]
+    tensors = read_tensors(file, lambda key: {"I64"} if key == "numpy_keys" else {"U8"}, _RESUME_HINT)
+    torch_state, keys = tensors.get("torch"), tensors.get("numpy_keys")
+    if torch_state is None or torch_state.shape != torch.get_rng_state().shape:
+        raise bad(f"no CPU generator state 'torch' of {torch.get_rng_state().numel()} bytes")
+    if keys is None or keys.shape != (624,) or keys.min() < 0 or keys.max() >= 2**32:
+        raise bad("'numpy_keys' must hold numpy's 624 32-bit key words")
+    try:
+        python = parse_json(meta["python"], f"{file}: metadata 'python'")
+        numpy_meta = parse_json(meta["numpy"], f"{file}: metadata 'numpy'")
+    except KeyError as e:
+        raise bad(f"no {e} metadata") from None
+    if not (isinstance(python, list) and len(python) == 3 and isinstance(python[1], list)
+            and all(type(w) is int for w in python[1])):
+        raise bad("metadata 'python' must be random.getstate()'s [version, [625 integers], gauss]")
+    if not (isinstance(numpy_meta, list) and len(numpy_meta) == 4 and isinstance(numpy_meta[0], str)
+            and all(type(v) in (int, float) for v in numpy_meta[1:])):
+        raise bad("metadata 'numpy' must be numpy's [kind, pos, has_gauss, cached_gaussian]")
+    state = {"torch": torch_state, "python": (python[0], tuple(python[1]), python[2]),
+             "numpy": (numpy_meta[0], keys.numpy().astype(np.uint32), *numpy_meta[1:]),
+             "cuda": [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]}
+    try:
+        random.Random().setstate(state["python"])
+        np.random.RandomState().set_state(state["numpy"])
+    except (TypeError, ValueError, OverflowError) as e:
+        raise bad(f"a state its generator does not take ({e})") from None
+    try:
+        torch.Generator().set_state(torch_state)
+    except RuntimeError as e:  # torch's check of the bytes
+        raise bad(f"the CPU generator state is invalid ({e})") from None
+    return state
+
+
+def _load_rng(file: Path) -> None:
+    state = _read_rng(file)
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
 
 
 def save_model_dir(base: Path, transformer, out: Path, link: bool) -> Path:
@@ -515,6 +574,7 @@ def load_full_checkpoint(path: Path, transformer, optimizer) -> int:
         raise ValueError(f"{path} is not a full fine-tuning checkpoint (no model/transformer/); it was written by "
                          "a LoRA run: resume with the same lora_rank")
     verify_checkpoint(path)
+    check_weights_dir(path / "model" / "transformer", _RESUME_HINT)  # finite floats, before they become the weights
     saved = type(transformer).from_pretrained(path / "model", subfolder="transformer", torch_dtype=torch.float32)
     transformer.load_state_dict(saved.state_dict())
     del saved
@@ -522,21 +582,25 @@ def load_full_checkpoint(path: Path, transformer, optimizer) -> int:
     return _restore(path, optimizer, _ONE)
 
 
-def merged_lora_transformer(base: Path, lora_dir: Path):
-    """The base checkpoint's transformer (float32, CPU) with the PEFT LoRA of `lora_dir` merged into its weights
-    (diffusers fuse_lora, then the LoRA layers removed): a plain transformer with no adapter."""
+def merged_lora_transformer(base: Path, lora: Path | LoraFiles):
+    """The base checkpoint's transformer (float32, CPU) with the PEFT LoRA of `lora` (a directory or its
+    check_lora_dir) merged into its weights (diffusers fuse_lora, then the LoRA layers removed): a plain transformer
+    with no adapter. The adapter is checked as load_lora checks it."""
     import diffusers
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
 
+    lora = lora if isinstance(lora, LoraFiles) else check_lora_dir(lora)
     index = json.loads((Path(base) / "model_index.json").read_text())
     cls = getattr(diffusers, index["transformer"][1])
     transformer = cls.from_pretrained(base, subfolder="transformer", torch_dtype=torch.float32)
-    transformer.add_adapter(LoraConfig.from_pretrained(str(lora_dir)))
-    state = load_file(lora_dir / "adapter_model.safetensors")
-    result = set_peft_model_state_dict(transformer, {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()})
-    if getattr(result, "unexpected_keys", []):
-        raise ValueError(f"{lora_dir}: LoRA keys the base transformer does not have: {result.unexpected_keys[:3]}")
+    try:
+        transformer.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
+                                           lora_dropout=0.0))
+    except ValueError as e:  # PEFT: target modules the model does not have
+        raise ValueError(f"{lora.config_file}: {e}") from e
+    check_lora_matches(transformer, lora)
+    set_peft_model_state_dict(transformer, lora.state)
     transformer.fuse_lora()
     transformer.unload_lora()
     return transformer

@@ -3,7 +3,9 @@
 
 Format 1's dcp/.metadata and its non-tensor optimizer entries are Python pickles: reading them can run code, so
 imagerl's resume refuses them and only this command, run knowingly on a checkpoint the user trusts, reads them
-(with torch.distributed.checkpoint's own loader, the one imagerl 0.1.0 used). Everything else (lora/, rng/, the
+(with torch.distributed.checkpoint's own loader, the one imagerl 0.1.0 used): convert_checkpoint needs
+trust_pickle=True (the CLI: --trust-pickle, or a yes on a terminal), and everything that can be checked without
+unpickling (check_convertible) is checked first. Everything else (lora/, rng/, the
 config) is kept; the checksums are recomputed over the new files.
 """
 
@@ -22,15 +24,27 @@ from imagerl.run.checkpoint_tensors import FORMAT, flatten, non_finite, write_tr
 _TRAINER_KEYS = ("model", "optim")
 
 
-def convert_checkpoint(path: Path) -> Path:
-    """Convert the format-1 checkpoint at `path` in place; return it. ValueError if it is not one, or corrupt."""
+def check_convertible(path: Path) -> dict:
+    """What can be checked of a format-1 checkpoint without unpickling anything: state.json, the format, dcp/ and
+    every file's checksum (a modified checkpoint is not converted: its checksums are the writer's). Its state.json."""
     path = Path(path)
     state = read_state(path)
     if state.get("format", 1) == FORMAT:
         raise ValueError(f"{path} is already in format {FORMAT}; nothing to convert")
     if not (path / "dcp" / ".metadata").is_file():
         raise ValueError(f"{path} has no dcp/.metadata: not a format-1 imagerl checkpoint")
-    verify_files(path, state)  # a modified checkpoint is not converted (its checksums are the writer's)
+    verify_files(path, state)
+    return state
+
+
+def convert_checkpoint(path: Path, trust_pickle: bool = False) -> Path:
+    """Convert the format-1 checkpoint at `path` in place; return it. ValueError if it is not one, or corrupt, and,
+    before anything is read, unless trust_pickle (its pickles can run code)."""
+    path = Path(path)
+    state = check_convertible(path)
+    if not trust_pickle:
+        raise ValueError(f"{path}: converting reads format 1's pickles, which can run code; pass trust_pickle=True "
+                         "(imagerl convert-checkpoint --trust-pickle) only for checkpoints you trust")
     loaded = _read_dcp(path / "dcp")
     tree = {k: loaded[k] for k in _TRAINER_KEYS if k in loaded}
     extra = {k: v for k, v in loaded.items() if k not in _TRAINER_KEYS}

@@ -11,8 +11,11 @@ safetensors reads a JSON header and raw bytes (its format cannot hold code); jso
 numbers. Neither reaches pickle, unlike torch.distributed.checkpoint's .metadata and its non-tensor entries
 (read with torch.load(weights_only=False)), which imagerl's format 1 used (`imagerl convert-checkpoint` converts).
 
-Every tensor is checked finite when written and when read; a non-finite one is refused with its path and the
-checkpoint. Full tensors load on any world size: each rank reads the file and keeps its own shard
+Every tensor is checked finite when written and when read, and of the dtype its place takes (floats for the
+params and the optimizer's moments: a complex or integer tensor would be cast into them); a bad one is refused with
+its path and the checkpoint. The params and moments must have this run's shapes, and the optimizer's settings are
+this run's: lr, betas, eps and weight_decay come from the config, the others must be AdamW's own (RUN_SETTINGS).
+Full tensors load on any world size: each rank reads the file and keeps its own shard
 (distribute_tensor without communication), as torch's set_*_state_dict(full_state_dict=True) does.
 """
 
@@ -22,9 +25,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from imagerl.distributed.parallel import World
+from imagerl.run.load_checks import FLOAT_DTYPES, INT_DTYPES, check_dtypes, read_json, read_tensors, safetensors_header
 
 FORMAT = 2  # state.json "format": 1 = torch.distributed.checkpoint (dcp/), 2 = this module (trainer/)
 TENSORS, STRUCTURE = "tensors.safetensors", "structure.json"
@@ -78,7 +82,40 @@ def unflatten(structure, tensors: dict[str, torch.Tensor]):
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
-    return [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    return [k for k, t in tensors.items() if (t.is_floating_point() or t.is_complex()) and not torch.isfinite(t).all()]
+
+
+_HINT = "resume from an earlier checkpoint (--resume <run>/checkpoints/step_N)"
+
+
+def _allowed_dtypes(key: str) -> set[str]:
+    """The params and the optimizer's moments are floats; an algorithm's tensors may also be integer counters
+    (their kind is checked against this run's tensors when loaded)."""
+    return FLOAT_DTYPES if key.startswith(("model/", "optim/")) else FLOAT_DTYPES | INT_DTYPES
+
+
+def _read_structure(directory: Path):
+    """structure.json's tree (a dict with 'state'), ValueError naming the file otherwise."""
+    file = directory / STRUCTURE
+    try:
+        header = read_json(file)
+    except OSError as e:
+        raise ValueError(f"{file} cannot be read ({e}); {_HINT}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("state"), dict):
+        raise ValueError(f"{file} is not an imagerl trainer state (no 'state' mapping); {_HINT}")
+    return header["state"]
+
+
+def check_trainer_files(directory: Path) -> None:
+    """What can be checked of trainer/ without reading its tensors (before a model loads): structure.json, the
+    tensor file's header, each tensor's dtype, and that every tensor the structure names is in the file."""
+    structure = _read_structure(directory)
+    header = safetensors_header(directory / TENSORS, _HINT)[0]
+    check_dtypes(directory / TENSORS, header, _allowed_dtypes, _HINT)
+    try:
+        unflatten(structure, header)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{directory / STRUCTURE} names a tensor {e} that {TENSORS} does not hold; {_HINT}") from None
 
 
 def save_trainer_state(directory: Path, module, optimizer, extra: dict | None, world: World,
@@ -111,12 +148,12 @@ def write_trainer_files(directory: Path, structure, tensors: dict[str, torch.Ten
 
 def read_trainer_state(directory: Path) -> dict:
     """The state tree as saved (full tensors on the CPU), after checking that every tensor is finite."""
+    structure = _read_structure(directory)
+    tensors = read_tensors(directory / TENSORS, _allowed_dtypes, _HINT)
     try:
-        header = json.loads((directory / STRUCTURE).read_text())
-        tensors = load_file(directory / TENSORS)
-        state = unflatten(header["state"], tensors)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{directory} is not an imagerl trainer state ({type(e).__name__}: {e})") from e
+        state = unflatten(structure, tensors)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{directory / STRUCTURE} names a tensor {e} that {TENSORS} does not hold; {_HINT}") from None
     bad = non_finite(tensors)
     if bad:
         raise NonFiniteStateError(f"{directory.parent}: {bad[0]} is not finite (NaN or inf)"
@@ -130,28 +167,116 @@ def load_trainer_state(directory: Path, module, optimizer, extra: dict | None = 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     saved = read_trainer_state(directory)
+    params = _trainable(module)
+    run_settings = _check_optimizer_state(directory, saved.get("optim"), params, _stepped(module), optimizer)
     if with_model:
-        missing = sorted(set(_trainable_names(module)) - set(saved.get("model", {})))
+        model = saved.get("model")
+        if not isinstance(model, dict):
+            raise ValueError(f"{directory / STRUCTURE}: no 'model' mapping of the trainable params; {_HINT}")
+        missing = sorted(set(params) - set(model))
         if missing:
             raise ValueError(f"{directory.parent}: no saved value for {missing[0]} (and {len(missing) - 1} more); "
                              "the checkpoint was written for another LoRA (rank or target modules)")
-        set_model_state_dict(module, saved["model"], options=_options(full=True, strict=False))
+        _check_like(directory.parent, "model", model, params)
+        set_model_state_dict(module, model, options=_options(full=True, strict=False))
     if extra:
         _load_in_place(extra, saved.get("extra", {}), directory.parent, "extra")
     # params that never got a gradient (e.g. the last block's unused text-stream output) have no AdamW state in
     # the file; torch initialises one for every param (a zero-gradient step), removed again so that the restored
     # state is the saved one exactly (AdamW skips params without a gradient either way)
     set_optimizer_state_dict(module, optimizer, saved["optim"], options=_options(full=True, strict=False))
-    stateless = set(_trainable_names(module)) - set(saved["optim"].get("state", {}))
+    for group, settings in zip(optimizer.param_groups, run_settings):  # this run's settings, not the file's
+        group.update(settings)
+    stateless = set(params) - set(saved["optim"]["state"])
     for name, param in module.named_parameters():
         if name.replace("_orig_mod.", "") in stateless:
             optimizer.state.pop(param, None)
 
 
-def _trainable_names(module) -> list[str]:
+def _stepped(module) -> set[str]:
+    """The FQNs of the params the optimizer steps: the trainable state also holds buffers (SD3's pos_embed)."""
+    return {name.replace("_orig_mod.", "") for name, p in module.named_parameters() if p.requires_grad}
+
+
+def _trainable(module) -> dict[str, torch.Tensor]:
+    """The trainable params by FQN (DTensor shards under FSDP: their .shape is the full one)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return list(get_model_state_dict(module, options=_options(full=False)))
+    return get_model_state_dict(module, options=_options(full=False))
+
+
+def _check_like(checkpoint: Path, where: str, saved: dict, params: dict[str, torch.Tensor]) -> None:
+    """Saved params by FQN: none this run lacks, each a tensor of the param's shape (its dtype: _allowed_dtypes)."""
+    unknown = sorted(set(saved) - set(params))
+    if unknown:
+        raise ValueError(f"{checkpoint}: {where}/{unknown[0]} is not a trainable parameter of this run (and "
+                         f"{len(unknown) - 1} more); the checkpoint was written for another LoRA or model")
+    for name, value in saved.items():
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(params[name].shape):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{checkpoint}: {where}/{name} has shape {shape}, this run's parameter "
+                             f"{tuple(params[name].shape)}; the checkpoint was written for another LoRA or model")
+
+
+# AdamW's param-group settings on resume, key by key. The run's settings are this run's config (a resume may change
+# them). How a step is computed (foreach, fused, capturable, differentiable) is this process's choice: the
+# optimizer's own is kept. Everything else changes what a step computes and imagerl never sets it (maximize would
+# climb the loss): the checkpoint must hold AdamW's own value, and a key AdamW does not have is refused.
+RUN_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+ADAM_MOMENTS = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+OTHER_TORCH = {"decoupled_weight_decay": True}  # AdamW's own value, recorded by torch >= 2.6 only
+
+
+def _check_optimizer_state(directory: Path, optim, params: dict[str, torch.Tensor], stepped: set[str],
+                           optimizer) -> list[dict]:
+    """Refuse an optimizer state this run's AdamW could not have written; return each group's settings as this run
+    has them (every key but 'params'), which load_trainer_state puts back after loading. params: the trainable
+    state by FQN; stepped: the FQNs of the params the optimizer steps."""
+    file, checkpoint = directory / STRUCTURE, directory.parent
+    if not isinstance(optim, dict) or not isinstance(optim.get("state"), dict) \
+            or not isinstance(optim.get("param_groups"), list):
+        raise ValueError(f"{file}: no optimizer state ('optim' with 'state' and 'param_groups'); {_HINT}")
+    live = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    groups = optim["param_groups"]
+    if len(groups) != len(live) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"{file}: {len(groups)} optimizer param groups, this run's AdamW has {len(live)}; {_HINT}")
+    named = [n for g in groups for n in (g.get("params") if isinstance(g.get("params"), list) else [None])]
+    if sorted(map(str, named)) != sorted(stepped):
+        raise ValueError(f"{file}: the optimizer's param groups do not list this run's trainable params; {_HINT}")
+    for group, own in zip(groups, live):
+        for key, value in group.items():
+            if key == "params" or key in RUN_SETTINGS or key in IMPLEMENTATION:
+                continue
+            if key not in own and key in OTHER_TORCH and value == OTHER_TORCH[key]:
+                continue  # a checkpoint of a newer torch, the same step
+            if key not in own:
+                raise ValueError(f"{file}: optimizer setting {key!r} is not one of AdamW's; the file was altered or "
+                                 f"not written by imagerl; {_HINT}")
+            if value != own[key]:
+                raise ValueError(f"{file}: optimizer setting {key}={value!r}, imagerl's AdamW runs with "
+                                 f"{key}={own[key]!r}; the file was altered or not written by imagerl; {_HINT}")
+    for name, moments in optim["state"].items():
+        where = f"optim/state/{name}"
+        if name not in stepped or name not in params or not isinstance(moments, dict) \
+                or not set(moments) <= ADAM_MOMENTS:
+            raise ValueError(f"{checkpoint}: {where} is not AdamW's state of a trainable parameter of this run; "
+                             f"{_HINT}")
+        for key, moment in moments.items():
+            if key != "step" and (not isinstance(moment, torch.Tensor) or moment.shape != params[name].shape):
+                shape = tuple(moment.shape) if isinstance(moment, torch.Tensor) else type(moment).__name__
+                raise ValueError(f"{checkpoint}: {where}/{key} has shape {shape}, its parameter "
+                                 f"{tuple(params[name].shape)}; {_HINT}")
+        step = moments.get("step")
+        if step is not None and (not isinstance(step, torch.Tensor) or step.numel() != 1 or float(step) < 0
+                                 or float(step) != int(float(step))):
+            raise ValueError(f"{checkpoint}: {where}/step must be a count of optimizer steps (an integer >= 0), got "
+                             f"{step.flatten()[:1].tolist() if isinstance(step, torch.Tensor) else step!r}; {_HINT}")
+        for key in ("exp_avg_sq", "max_exp_avg_sq"):  # second moments: their square roots are taken
+            if key in moments and (moments[key] < 0).any():
+                raise ValueError(f"{checkpoint}: {where}/{key} holds negative values, which a second moment "
+                                 f"never has; {_HINT}")
+    return live
 
 
 def _map_tensors(tree, fn):
@@ -166,6 +291,12 @@ def _load_in_place(target: dict, saved: dict, checkpoint: Path, path: str) -> No
     """Copy `saved`'s full tensors into `target`'s (a DTensor keeps its own shard of it)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if not isinstance(saved, dict):
+        raise ValueError(f"{checkpoint}: {path} is not a mapping of tensors; {_HINT}")
+    unknown = sorted(set(saved) - set(target))
+    if unknown:
+        raise ValueError(f"{checkpoint}: {path}/{unknown[0]} is no state of this run's algorithm (written by another "
+                         "algorithm setting?)")
     for key, value in target.items():
         where = f"{path}/{key}"
         if key not in saved:
@@ -174,8 +305,13 @@ def _load_in_place(target: dict, saved: dict, checkpoint: Path, path: str) -> No
             _load_in_place(value, saved[key], checkpoint, where)
             continue
         full = saved[key]
-        if tuple(full.shape) != tuple(value.shape):
-            raise ValueError(f"{checkpoint}: {where} has shape {tuple(full.shape)}, this run {tuple(value.shape)}")
+        if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(value.shape):
+            shape = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+            raise ValueError(f"{checkpoint}: {where} has shape {shape}, this run {tuple(value.shape)}")
+        if full.is_floating_point() != value.is_floating_point():
+            raise ValueError(f"{checkpoint}: {where} is {full.dtype}, this run's {value.dtype}; {_HINT}")
+        if not full.is_floating_point() and (full < 0).any():  # an integer here is a count
+            raise ValueError(f"{checkpoint}: {where} is a count and holds a negative value; {_HINT}")
         with torch.no_grad():
             if isinstance(value, DTensor):  # this rank's shard of the full tensor, no communication
                 shard = distribute_tensor(full.to(value.device, value.dtype), value.device_mesh, value.placements,

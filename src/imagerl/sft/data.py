@@ -60,6 +60,8 @@ def _from_jsonl(path: Path) -> list[Example]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
+        except RecursionError:  # json recurses into nested lists and objects
+            raise ValueError(f"{where}: nested too deeply to be an image-caption record") from None
         if not isinstance(record, dict) or not isinstance(record.get("image"), str) or not record["image"]:
             raise ValueError(f"{where}: expected an object with an \"image\" path and a \"prompt\" (or \"caption\")")
         image = (path.parent / record["image"]).expanduser()

@@ -23,12 +23,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from imagerl.run.checkpoint import (load_checkpoint, load_full_checkpoint, merged_lora_transformer, resolve_resume,
-                                save_checkpoint, save_full_checkpoint, save_model_dir)
-from imagerl.components import NAMED_MODELS, resolve_dtype, resolve_model_path
+from imagerl.run.checkpoint import (check_checkpoint, check_lora_dir, load_checkpoint, load_full_checkpoint,
+                                   merged_lora_transformer, resolve_resume, save_checkpoint, save_full_checkpoint,
+                                   save_model_dir)
+from imagerl.run.load_checks import check_weights_dir
+from imagerl.components import NAMED_MODELS, check_adamw, resolve_dtype, resolve_model_path
 from imagerl.distributed.parallel import World, resolve_device
 from imagerl.distributed.rng import make_generator
 from imagerl.families.model_defaults import ModelDefaults, model_defaults
+from imagerl.config import MAX_LORA_RANK
 from imagerl.run.checkpoint import recover_interrupted
 from imagerl.run.lock import check_run_files, hold_run_dir
 from imagerl.sft.data import batch_indices, load_examples, load_image
@@ -76,16 +79,19 @@ class SFTConfig:
 
 
 def load_sft_config(overrides: list[str] = (), base: dict | None = None) -> SFTConfig:
-    """SFTConfig from a saved dict (or the defaults) and `key=value` overrides (values parsed as YAML)."""
+    """SFTConfig from a saved dict (or the defaults) and `key=value` overrides (values parsed as YAML, with the
+    alias-bomb and nesting guard of every imagerl config: config.safe_load_yaml)."""
+    from imagerl.config import safe_load_yaml
+
     cfg = SFTConfig()
     hints = typing.get_type_hints(SFTConfig)
     items = list((base or {}).items())
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"override {item!r} must look like key=value (e.g. lr=1e-5)")
+            raise ValueError(f"override {item[:60]!r} must look like key=value (e.g. lr=1e-5)")
         try:
-            items.append((key.strip(), yaml.safe_load(raw) if raw.strip() else raw))
+            items.append((key.strip(), safe_load_yaml(raw, f"override {item[:60]!r}") if raw.strip() else raw))
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r}: cannot parse value: {e}") from e
     for key, value in items:
@@ -93,6 +99,19 @@ def load_sft_config(overrides: list[str] = (), base: dict | None = None) -> SFTC
             raise ValueError(f"unknown sft setting {key!r}; valid: {', '.join(hints)}")
         setattr(cfg, key, _coerce(key, value, hints[key]))
     return cfg
+
+
+def read_saved_sft_config(path: Path) -> dict:
+    """A run's sft_config.yaml (the settings `--resume` starts from), read as every imagerl config is."""
+    from imagerl.config import safe_load_yaml
+
+    try:
+        saved = safe_load_yaml(path.read_text(), str(path))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML ({e}); fix it or resume with every setting given") from e
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} must be a mapping of sft settings (key: value per line); fix it or remove it")
+    return saved
 
 
 def _coerce(key: str, value, hint):
@@ -107,7 +126,9 @@ def _coerce(key: str, value, hint):
         return None if value is None else _coerce(key, value, float)
     if hint in (int, float, str, bool) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
-    raise ValueError(f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+    from imagerl.config import _short
+
+    raise ValueError(f"{key}: expected {getattr(hint, '__name__', hint)}, got {_short(value)}")
 
 
 def validate_sft(cfg: SFTConfig) -> None:
@@ -118,9 +139,13 @@ def validate_sft(cfg: SFTConfig) -> None:
                 "keep_checkpoints"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.lora_rank > MAX_LORA_RANK:
+        raise ValueError(f"lora_rank must be at most {MAX_LORA_RANK} (above every family's hidden size), got "
+                         f"{cfg.lora_rank}; 0 trains the whole transformer")
     for key in ("lr", "weight_decay", "max_grad_norm", "adam_eps", "logit_std"):
-        if not math.isfinite(getattr(cfg, key)) or getattr(cfg, key) < 0:
+        if not math.isfinite(getattr(cfg, key)) or not 0 <= getattr(cfg, key) <= 3.4e38:  # float32 scalars
             raise ValueError(f"{key} must be a finite number >= 0, got {getattr(cfg, key)}")
+    check_adamw(cfg.lr, cfg.weight_decay)
     if cfg.sigma_sampling not in ("logit_normal", "uniform"):
         raise ValueError(f"sigma_sampling must be logit_normal or uniform, got {cfg.sigma_sampling!r}")
     if not 0 <= cfg.caption_dropout < 1:
@@ -230,6 +255,8 @@ def _sft(cfg: SFTConfig, examples, run_dir: Path, resume: str | None) -> SFTRun:
     if resume:
         recover_interrupted(run_dir)  # the lock is held: finish a checkpoint swap a kill interrupted
     resume_from = resolve_resume(resume, run_dir) if resume else None
+    if resume_from is not None:
+        check_checkpoint(resume_from)  # its files, before the model loads
     if resume_from is None and list((run_dir / "checkpoints").glob("step_*")):
         raise ValueError(f"{run_dir} already holds checkpoints: continue with --resume latest or pick another --output-dir")
     device = resolve_device(cfg.device)
@@ -336,20 +363,24 @@ def export_model(run_dir: str | Path, out_dir: str | Path, dtype: str = "auto", 
         path = resolve_resume(str(run_dir), Path(run_dir))
     except ValueError:
         raise ValueError(f"export: {run_dir} is neither an sft run directory nor a checkpoint") from None
-    config = json.loads((path / "state.json").read_text())["config"]
+    config = check_checkpoint(path).get("config", {})  # checksums and format, as a resume checks them
+    if not isinstance(config.get("model"), str):
+        raise ValueError(f"{path / 'state.json'}: its config names no base model ('model'): not an sft checkpoint")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"export target {out} exists and is not empty")
+    hint = "export an earlier checkpoint (imagerl sft --export <run>/checkpoints/step_N OUT_DIR)"
     if (path / "model").is_dir():  # full fine-tuning: the checkpoint is already a complete model
         import diffusers
 
         source = path / "model"
+        check_weights_dir(source / "transformer", hint)  # finite floats: no NaN model leaves as a standalone one
         index = json.loads((source / "model_index.json").read_text())
         transformer = getattr(diffusers, index["transformer"][1]).from_pretrained(
             source, subfolder="transformer", torch_dtype=torch.float32)
     else:
         source = resolve_model_path(config["model"])
-        transformer = merged_lora_transformer(source, path / "lora")
+        transformer = merged_lora_transformer(source, check_lora_dir(path / "lora"))
     base_weights = resolve_model_path(config["model"]) / "transformer"
     target = _weights_dtype(base_weights) if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))
     torch.nn.Module.to(transformer, target)  # (ModelMixin.to warns about _keep_in_fp32_modules; these have none)
