@@ -267,6 +267,23 @@ def test_only_complete_step_digits_directories_count_as_checkpoints(tmp_path):
         "step_000003", "step_000004", "step_000005", "step_000006.tmp", "step_000002_keep_me", "step_999999_backup",
         "step_notes.txt"])
     assert (ckpts / "step_notes.txt").read_text() == "mine"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "rollout/reward_mean": 0.5}) + "\n")
+    from imagerl.run.report import summarize
+
+    assert summarize(tmp_path).checkpoints == ["step_000003", "step_000004"]  # `imagerl report` counts as prune does
+
+
+def test_a_metrics_line_nested_past_the_recursion_limit_is_one_error_naming_the_line(tmp_path):
+    from imagerl.run.best_checkpoint import read_best
+    from imagerl.run.metrics import read_metrics
+
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n" + deep + "\n" + json.dumps({"step": 2}) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: JSON nested too deeply"):
+        read_metrics(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "best.json").write_text(deep)
+    assert read_best(tmp_path) is None  # as any unreadable best.json: the next best checkpoint rewrites it
 
 
 @pytest.mark.parametrize("left, kept", [

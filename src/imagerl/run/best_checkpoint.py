@@ -17,7 +17,7 @@ def read_best(run_dir: Path) -> dict | None:
     try:
         best = json.loads(path.read_text())
         return best if isinstance(best, dict) and isinstance(best.get("checkpoint"), str) else None
-    except (json.JSONDecodeError, OSError):
+    except (json.JSONDecodeError, RecursionError, OSError):
         return None
 
 

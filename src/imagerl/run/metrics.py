@@ -167,7 +167,7 @@ class MetricsLogger:
         for number, line in text_lines(self.path, data):
             try:
                 record = json.loads(line) if line.strip() else None
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # (a crafted line nested past the recursion limit)
                 warnings.warn(f"{self.path}: line {number} is not JSON (cut off?); dropped", stacklevel=2)
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
@@ -359,6 +359,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
             continue
         try:
             record = json.loads(line)
+        except RecursionError as e:  # a crafted line nested past the recursion limit
+            raise ValueError(f"{path}:{lineno}: JSON nested too deeply to be a metrics record") from e
         except json.JSONDecodeError as e:
             if lineno == lines[-1][0]:
                 break

@@ -6,6 +6,7 @@ still going, one that crashed, and one copied from another machine.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,8 +96,8 @@ def summarize(run_dir: str | Path, records: list[dict] | None = None) -> RunSumm
     diffs = [float(r["train/log_prob_mean_abs_diff"]) for r in records
              if _is_number(r.get("train/log_prob_mean_abs_diff"))]
     failed = sum(int(r.get("rollout/reward/failed_count") or 0) for r in records)
-    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")
-                         if p.is_dir() and not p.name.endswith(".tmp") and (p / "state.json").is_file())
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")  # complete step_<digits> ones
+                         if re.fullmatch(r"step_\d+", p.name) and p.is_dir() and (p / "state.json").is_file())
     return RunSummary(
         run_dir=run_dir, rollouts_done=max((r["step"] for r in rollouts), default=0),
         rollouts_planned=_planned(run_dir),

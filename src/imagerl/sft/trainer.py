@@ -33,6 +33,7 @@ from imagerl.distributed.rng import make_generator
 from imagerl.families.model_defaults import ModelDefaults, model_defaults
 from imagerl.config import MAX_LORA_RANK
 from imagerl.run.checkpoint import recover_interrupted
+from imagerl.run.lock import CHECKPOINT_NAME
 from imagerl.run.lock import check_run_files, hold_run_dir
 from imagerl.sft.data import batch_indices, load_examples, load_image
 
@@ -257,7 +258,7 @@ def _sft(cfg: SFTConfig, examples, run_dir: Path, resume: str | None) -> SFTRun:
     resume_from = resolve_resume(resume, run_dir) if resume else None
     if resume_from is not None:
         check_checkpoint(resume_from)  # its files, before the model loads
-    if resume_from is None and list((run_dir / "checkpoints").glob("step_*")):
+    if resume_from is None and any(CHECKPOINT_NAME.fullmatch(p.name) for p in (run_dir / "checkpoints").glob("step_*")):
         raise ValueError(f"{run_dir} already holds checkpoints: continue with --resume latest or pick another --output-dir")
     device = resolve_device(cfg.device)
     adapter, base = load_sft_adapter(cfg, device)
