@@ -162,8 +162,11 @@ def test_resume_is_bit_exact(rank, tiny_checkpoint, data, tmp_path):
     assert losses(resumed.run_dir) == losses(straight.run_dir) and len(losses(straight.run_dir)) == 4
     a, b = straight.adapter.trainable_parameters(), resumed.adapter.trainable_parameters()
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    (tmp_path / "b" / ".imagerl.lock").unlink(missing_ok=True)
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in (tmp_path / "b").rglob("*"))
     with pytest.raises(ValueError, match="already holds checkpoints"):
         sft(config(tiny_checkpoint, data, tmp_path / "b", num_steps=4, **kw))
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in (tmp_path / "b").rglob("*")) == before  # nothing touched
 
 
 def _same_inputs(adapter):

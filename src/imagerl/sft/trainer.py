@@ -246,6 +246,9 @@ def sft(cfg: SFTConfig, resume: str | None = None) -> SFTRun:
     cfg = with_model_defaults(cfg, model_defaults(resolve_model_path(cfg.model)))
     run_dir = Path(cfg.output_dir)
     check_run_files(run_dir)  # a symbolic link among the run's files: refused before anything is written
+    if not resume and any(CHECKPOINT_NAME.fullmatch(p.name) for p in (run_dir / "checkpoints").glob("step_*")):
+        # before the lock, as every refusal: a refused run leaves the directory as it was
+        raise ValueError(f"{run_dir} already holds checkpoints: continue with --resume latest or pick another --output-dir")
     with hold_run_dir(run_dir, World(0, 1, torch.device("cpu"))):  # one writer, as imagerl train (run_lock.py)
         return _sft(cfg, examples, run_dir, resume)
 
@@ -258,8 +261,6 @@ def _sft(cfg: SFTConfig, examples, run_dir: Path, resume: str | None) -> SFTRun:
     resume_from = resolve_resume(resume, run_dir) if resume else None
     if resume_from is not None:
         check_checkpoint(resume_from)  # its files, before the model loads
-    if resume_from is None and any(CHECKPOINT_NAME.fullmatch(p.name) for p in (run_dir / "checkpoints").glob("step_*")):
-        raise ValueError(f"{run_dir} already holds checkpoints: continue with --resume latest or pick another --output-dir")
     device = resolve_device(cfg.device)
     adapter, base = load_sft_adapter(cfg, device)
     adapter.latent_grid(cfg.height, cfg.width)  # the size suits the family
