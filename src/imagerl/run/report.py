@@ -6,11 +6,11 @@ still going, one that crashed, and one copied from another machine.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagerl.run.best_checkpoint import read_best
+from imagerl.run.lock import CHECKPOINT_NAME
 from imagerl.run.metrics import PHASES, plot_phases, plot_rewards, read_metrics
 
 TRAIN_REWARD = "rollout/reward/raw_mean"
@@ -97,7 +97,7 @@ def summarize(run_dir: str | Path, records: list[dict] | None = None) -> RunSumm
              if _is_number(r.get("train/log_prob_mean_abs_diff"))]
     failed = sum(int(r.get("rollout/reward/failed_count") or 0) for r in records)
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")  # complete step_<digits> ones
-                         if re.fullmatch(r"step_\d+", p.name) and p.is_dir() and (p / "state.json").is_file())
+                         if (m := CHECKPOINT_NAME.fullmatch(p.name)) and not m[2] and (p / "state.json").is_file())
     return RunSummary(
         run_dir=run_dir, rollouts_done=max((r["step"] for r in rollouts), default=0),
         rollouts_planned=_planned(run_dir),
