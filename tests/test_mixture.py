@@ -189,3 +189,44 @@ def test_held_out_prompts_alternate_between_the_sets_so_max_prompts_keeps_every_
     assert test.prompts[2:4] == ["a photo number 8"] * 2 and test.prompts[6:8] == ["a photo number 9"] * 2
     assert test.prompts[0] == test.prompts[1] != test.prompts[4]
     assert tags[8:] == ["shapes"] * (len(tags) - 8) and tags.count("other") == 4
+
+
+def _readme_command(marker: str) -> list[str]:
+    """The README's ```bash block that contains `marker`, as the shell would split it (continuation lines joined)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if marker in b)
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def test_the_readme_mixture_example_trains_evaluates_and_reports(tmp_path, capsys):
+    """README's data.mixture command verbatim (a set without test_prompts), shortened to one rollout and 4 held-out
+    prompts: training, the evaluation of the set that has held-out prompts, the closing tables and `imagerl report`
+    all succeed. Before: the closing table formatted the unevaluated set's reward (logged as null) and crashed."""
+    from imagerl.cli import main
+
+    argv = _readme_command("data.mixture=")
+    assert argv[:2] == ["imagerl", "train"] and "data.test_prompts=" in argv
+    run = tmp_path / "mixture"
+    argv = [a if not a.startswith("runs/") else str(run) for a in argv[1:]]  # --output-dir into tmp_path
+    assert main([*argv, "train.num_rollouts=1", "eval.interval=1", "eval.max_prompts=4", "eval.suites=[]",
+                 "sample.prompts_per_rollout=4", "run.checkpoint_every=1"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out evaluation" in out and "held-out set shapes" in out and "held-out set jpeg" not in out
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert "eval/set/shapes/raw_mean" in last and "eval/reward/jpeg_incompressibility_mean" not in last
+    assert main(["report", str(run)]) == 0
+    assert "held-out set shapes" in capsys.readouterr().out
+
+
+def test_the_eval_table_shows_a_missing_component_as_a_dash():
+    from imagerl.run.report import format_eval_table
+
+    records = [{"step": 0, "eval/reward/raw_mean": 0.5, "eval/reward/a_mean": 0.5, "eval/reward/b_mean": None},
+               {"step": 1, "eval/reward/raw_mean": 0.6, "eval/reward/a_mean": 0.6}]
+    table = format_eval_table(records)
+    assert table.splitlines()[2].split() == ["0", "0.5000", "0.5000", "-"]
+    assert table.splitlines()[3].split() == ["1", "0.6000", "0.6000", "-"]

@@ -431,7 +431,9 @@ def _check_type(key: str, value, hint):
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
-        raise ValueError(f"{key}: expected {hint.__name__}, got {_short(value)}")
+        empty = (f" (to clear it, give it nothing: {key}= on the command line, '' in YAML)"
+                 if hint is str and value is None else "")
+        raise ValueError(f"{key}: expected {hint.__name__}, got {_short(value)}{empty}")
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ValueError(f"{key}: expected a mapping, got {_short(value)}")

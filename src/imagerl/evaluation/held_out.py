@@ -261,7 +261,11 @@ def evaluate(adapter, scorer, test_set: PromptSet, cfg, world: World, step: int,
     and its rewards. suites (suites.run.TrainingSuites): those whose images are the held-out ones are measured on
     them, their metrics added. Leaves the adapter in eval mode."""
     columns = suites.held_out_columns() if suites is not None else {}
-    result = run_evaluation(adapter, scorer, test_set, cfg, world, progress=progress, extra_columns=columns)
+    held_out_rewards = None
+    if cfg.data.mixture:  # only the rewards of the sets that have held-out prompts score them
+        held_out_rewards = list(dict.fromkeys(n for m in cfg.data.mixture if m.test_prompts for n in m.rewards))
+    result = run_evaluation(adapter, scorer, test_set, cfg, world, progress=progress, extra_columns=columns,
+                            reward_names=held_out_rewards)
     if columns:
         result.metrics.update(suites.held_out_metrics(result.extra))
     if cfg.data.mixture:  # each set's held-out prompts, scored by its rewards

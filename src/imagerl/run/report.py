@@ -158,7 +158,8 @@ def format_eval_table(records: list[dict]) -> str:
     lines = ["held-out evaluation", f"{'rollout':>7}  {'reward':>8}" + "".join(f"  {n:>10}" for n in names)]
     by_step = {r["step"]: r for r in records if _is_number(r.get(EVAL_REWARD))}
     for step, value in evals:
-        parts = "".join(f"  {by_step[step].get(f'eval/reward/{n}_mean', float('nan')):>10.4f}" for n in names)
+        cells = [by_step[step].get(f"eval/reward/{n}_mean") for n in names]  # null (no finite value) or absent: -
+        parts = "".join(f"  {c:>10.4f}" if _is_number(c) else f"  {'-':>10}" for c in cells)
         lines.append(f"{step:>7}  {value:>8.4f}{parts}")
     (s0, first), (s1, last) = evals[0], evals[-1]
     lines.append(f"before -> after: {first:.4f} (rollout {s0}) -> {last:.4f} (rollout {s1}), change {last - first:+.4f}")
