@@ -3,6 +3,8 @@ starts over), `--resume` without --recipe continues with the run's own settings,
 ends with one line and the last checkpoint resumes."""
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 
@@ -32,7 +34,7 @@ def test_second_run_is_refused_and_overwrite_starts_over(tiny_checkpoint, tmp_pa
     capsys.readouterr()
     assert main(_args(tiny_checkpoint, run, "train.lr=0.5")) == 2
     err = capsys.readouterr().err
-    assert "already holds a run" in err and "--resume latest" in err and "--overwrite" in err
+    assert "already holds a run" in err and f"imagerl train --resume {run}" in err and "--overwrite" in err
     assert (run / "config.yaml").read_text() == config and (run / "metrics.jsonl").read_text() == metrics
     assert main(_args(tiny_checkpoint, run, "train.lr=0.5", "--overwrite")) == 0
     assert _steps(run) == [1]  # one history, not two
@@ -79,11 +81,49 @@ def test_ctrl_c_stops_with_one_line_and_the_last_checkpoint_resumes(tiny_checkpo
     monkeypatch.setattr(AsyncScorer, "collect", interrupted_on_the_second_rollout)
     assert main(_args(tiny_checkpoint, run, "train.num_rollouts=3", "run.checkpoint_every=1")) == 130
     err = capsys.readouterr().err
-    assert "imagerl: interrupted" in err and "--resume latest" in err and "Traceback" not in err
+    assert "imagerl: interrupted" in err and "step_000001, is kept" in err and "Traceback" not in err
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000001"]
     monkeypatch.setattr(AsyncScorer, "collect", collect)
-    assert main(["train", "--resume", "latest", "--output-dir", str(run)]) == 0
+    # the printed command, run from another directory: it names this run's directory, not the default one
+    command = shlex.split(re.search(r"continue with `([^`]*)`", err).group(1))
+    assert command == ["imagerl", "train", "--resume", str(run)]
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(command[1:]) == 0
     assert _steps(run) == [1, 2, 3]
+
+
+def test_ctrl_c_before_the_first_checkpoint_and_the_same_command_starts_again(tiny_checkpoint, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Interrupted before any checkpoint: the message says so (no --resume to give), and the same command, without
+    --overwrite, starts the run again in that directory: one history, not two. A directory imagerl did not run in,
+    or one with a checkpoint, is still refused."""
+    from imagerl.rewards.scoring import AsyncScorer
+
+    run = tmp_path / "run"
+    collect = AsyncScorer.collect
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AsyncScorer, "collect", interrupted)
+    args = _args(tiny_checkpoint, run, "train.num_rollouts=2")
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert f"{run} holds no checkpoint yet: the same command starts the run again" in err and "--resume" not in err
+    assert (run / "config.yaml").is_file() and not list(run.glob("checkpoints/step_*"))
+    monkeypatch.setattr(AsyncScorer, "collect", collect)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "stopped before its first checkpoint: starting it again" in out
+    assert _steps(run) == [1, 2]
+    assert main(args) == 2  # now it holds a checkpoint: refused, naming the command that continues it
+    assert f"imagerl train --resume {run}" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("")  # not imagerl's (no lock file): refused, nothing deleted
+    assert main(_args(tiny_checkpoint, other)) == 2
+    assert (other / "metrics.jsonl").is_file()
 
 
 def test_a_resume_continues_toward_an_extension_stopped_before_its_first_checkpoint(tiny_checkpoint, tmp_path,

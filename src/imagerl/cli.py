@@ -26,6 +26,7 @@ def _train(args) -> int:
         cfg = load_config(args.recipe or "quickstart", flags + args.overrides)
         if args.output_dir:
             cfg.run.output_dir = args.output_dir
+    args.run_dir = cfg.output_dir  # for the Ctrl-C message
     run_dir = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if (run_dir / "metrics.jsonl").is_file():
         from imagerl.run.report import format_eval_table, format_suite_tables, load_run
@@ -80,6 +81,7 @@ def _sft(args) -> int:
     cfg = load_sft_config(flags + args.overrides, base=base)
     if not cfg.data:
         raise ValueError("imagerl sft needs --data (a JSONL file or a folder of images with .txt captions)")
+    args.run_dir = Path(cfg.output_dir)  # for the Ctrl-C message
     run = sft(cfg, resume=args.resume)
     print(f"done: {run.run_dir} (metrics.jsonl, checkpoints/); last checkpoint {run.checkpoint}; a standalone model: "
           f"imagerl sft --export {run.run_dir} OUT_DIR")
@@ -349,6 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _how_to_continue(args) -> str:
+    """After Ctrl-C in train or sft: the exact command that continues this run (its directory named), or, before
+    its first checkpoint, that the same command starts it again."""
+    from imagerl.run.checkpoint import continue_command, latest_checkpoint
+
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir is None:  # interrupted before the run directory was known
+        return ""
+    last = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if last is None:
+        return f"; {run_dir} holds no checkpoint yet: the same command starts the run again"
+    return f"; the last checkpoint, {last.name}, is kept: continue with `{continue_command(run_dir)}`"
+
+
 def main(argv: list[str] | None = None) -> int:
     from imagerl.rewards import RewardError
 
@@ -360,8 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; checkpoints are written whole or not at all
-        hint = " (the last checkpoint is kept: continue with --resume latest)" if args.command in ("train", "sft") else ""
-        print(f"\nimagerl: interrupted{hint}", file=sys.stderr)
+        print(f"\nimagerl: interrupted{_how_to_continue(args)}", file=sys.stderr)
         return 130
     except (ValueError, FileExistsError, RewardError) as e:
         print(f"imagerl: error: {e}", file=sys.stderr)

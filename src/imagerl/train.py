@@ -85,14 +85,17 @@ def _resume_point(cfg: Config, resume: str, run_dir: Path) -> tuple[Path, list[s
 
 def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | None, overwrite: bool) -> Path:
     run_dir = cfg.output_dir
+    restart = False
     if resume_from is None and not overwrite:  # every rank raises alike; with overwrite rank 0 alone clears below
-        check_fresh_run_dir(run_dir, overwrite=False)
+        restart = check_fresh_run_dir(run_dir, overwrite=False)  # True: a start that wrote no checkpoint
         world.barrier()  # every rank has looked before rank 0 writes anything there
     scorer = Scorer(cfg.reward, world.device, set_weights=set_weights(cfg))  # data.mixture: each set its rewards
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)  # e.g. OCR prompts without a quoted target
 
-    if world.is_main and resume_from is None and overwrite:  # after every config error, before the slow part
+    if world.is_main and resume_from is None and (overwrite or restart):  # after every config error, before the
+        if restart:                                                          # slow part
+            print(f"{run_dir} holds a run that stopped before its first checkpoint: starting it again")
         clear_run_outputs(run_dir)
     if world.is_main and world.device.type == "cpu":
         _warn_if_slow_on_cpu(cfg, world)

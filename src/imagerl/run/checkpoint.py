@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import shutil
 from pathlib import Path
 
@@ -187,14 +188,22 @@ def _last_intact(run_dir: Path) -> str:
     return f"the last checkpoint, {done[-1]}, is intact" if done else "no earlier checkpoint exists"
 
 
+def continue_command(run_dir: Path) -> str:
+    """The command that continues the run in run_dir from its last checkpoint, whatever the current directory."""
+    where = shlex.quote(str(run_dir))
+    if (Path(run_dir) / "sft_config.yaml").is_file():
+        return f"imagerl sft --output-dir {where} --resume latest"
+    return f"imagerl train --resume {where}"
+
+
 def after_disk_full(run_dir: Path) -> str:
     """What to do once a full disk stopped the run: continue from the last checkpoint, or start over before the
     first one (--resume would find nothing)."""
     done = _complete(run_dir)
     if done:
-        return f"the last checkpoint, {done[-1]}, is intact. Free space, then continue with --resume latest"
-    return ("no checkpoint exists yet, so there is nothing to resume: free space, then start the run over "
-            "(imagerl train: the same command with --overwrite)")
+        return f"the last checkpoint, {done[-1]}, is intact. Free space, then continue with `{continue_command(run_dir)}`"
+    return ("no checkpoint exists yet, so there is nothing to resume: free space, then run the same command again "
+            "(a run directory without a checkpoint starts over)")
 
 
 def _checkpoint_dirs(run_dir: Path) -> list[tuple[Path, str]]:

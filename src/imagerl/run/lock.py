@@ -19,6 +19,7 @@ import fnmatch
 import json
 import os
 import re
+import shlex
 import socket
 import string
 import time
@@ -204,27 +205,38 @@ def is_run_dir(path) -> bool:
         CHECKPOINT_NAME.fullmatch(p.name) and (p / "state.json").is_file() for p in checkpoints.iterdir()))
 
 
-def check_fresh_run_dir(path, overwrite: bool) -> None:
+def check_fresh_run_dir(path, overwrite: bool) -> bool:
     """A new run (no --resume) refuses a run directory that already holds files: a second `imagerl train` would
     overwrite its checkpoints, grids and plots and append a second history to metrics.jsonl. With overwrite, a
-    directory imagerl did not run in is refused (its files are not imagerl's to delete). Reads only: the deleting is
-    clear_run_outputs'."""
+    directory imagerl did not run in is refused (its files are not imagerl's to delete). A run imagerl started that
+    wrote no checkpoint (interrupted or failed before its first) has nothing to continue: it is restartable, and True
+    says its outputs are to be replaced. Reads only: the deleting is clear_run_outputs'."""
     path = Path(path)
     present = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
     if not present:  # absent, empty, or only the lock file (this run's, or one a finished run left)
-        return
+        return False
+    if not overwrite and restartable(path):
+        return True
     if overwrite:
         if not is_run_dir(path):
             listing = ", ".join(present[:6]) + (f" and {len(present) - 6} more" if len(present) > 6 else "")
             raise FileExistsError(f"--overwrite: {path} is not an imagerl run directory (it holds {listing}, and "
                                   f"neither {LOCK_FILE} nor a checkpoint); imagerl deletes only what its own runs "
                                   "wrote: choose another --output-dir")
-        return
+        return True
     ours = _outputs(path)
     held = ", ".join(p.name for p in ours[:4]) or ", ".join(present[:4])
-    raise FileExistsError(f"{path} already holds a run ({held}); continue it with `--resume latest` (same "
-                          f"--recipe/--output-dir), start over with --overwrite (deletes its checkpoints, "
+    raise FileExistsError(f"{path} already holds a run ({held}); continue it with `imagerl train --resume "
+                          f"{shlex.quote(str(path))}`, start over with --overwrite (deletes its checkpoints, "
                           f"metrics, images and plots), or choose another --output-dir")
+
+
+def restartable(path) -> bool:
+    """An imagerl run directory (its lock file is there) without any checkpoint, complete or being swapped in:
+    a start that stopped before its first checkpoint, which `--resume` cannot continue."""
+    path, checkpoints = Path(path), Path(path) / "checkpoints"
+    has_checkpoint = checkpoints.is_dir() and any(CHECKPOINT_NAME.fullmatch(p.name) for p in checkpoints.iterdir())
+    return (path / LOCK_FILE).is_file() and not has_checkpoint
 
 
 def clear_run_outputs(path) -> None:

@@ -240,12 +240,14 @@ class MetricsLogger:
 def _after_failure(run_dir: Path, e: OSError) -> str:
     import errno
 
-    from imagerl.run.checkpoint import after_disk_full
+    from imagerl.run.checkpoint import after_disk_full, continue_command, latest_checkpoint
 
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         advice = after_disk_full(run_dir)
         return advice[0].upper() + advice[1:]
-    return "Once the cause is fixed, continue with --resume latest"
+    if latest_checkpoint(run_dir) is None:
+        return "Once the cause is fixed, run the same command again (no checkpoint exists yet: the run starts over)"
+    return f"Once the cause is fixed, continue with `{continue_command(run_dir)}`"
 
 
 def _clean(v):
