@@ -49,3 +49,46 @@ def test_bad_scores_are_refused():
         paired_bootstrap(np.array([[0.1, float("nan")]]))
     with pytest.raises(ValueError, match="models x prompts"):
         paired_bootstrap(np.array([0.1, 0.2]))
+
+
+def _overall_by_hand(scores_MPC, prompts):
+    """GenEval's overall of one model's resampled prompts: each category's mean over the drawn prompts it has, then
+    the mean over the categories present."""
+    cats = []
+    for c in range(len(scores_MPC[0])):
+        values = [scores_MPC[p][c] for p in prompts if not math.isnan(scores_MPC[p][c])]
+        if values:
+            cats.append(sum(values) / len(values))
+    return sum(cats) / len(cats)
+
+
+def test_the_overall_resamples_within_each_group_of_categories_so_none_drops_out():
+    """GenEval-style overall over categories of very different sizes (one prompt in 'single'): resampling prompts
+    freely drops 'single' from a resample about a third of the time ((1 - 1/P)^P), moving its overall away from the
+    point estimate (the interval then excludes it). Stratified by the categories a prompt is in, each resample has
+    every category with its own prompt count; the interval equals the by-hand percentile of by-hand overalls over
+    the same draws, and contains the point estimate."""
+    from imagerl.evaluation.suites.stats import category_mean, category_strata, stratified_resample_indices
+
+    nan = float("nan")
+    # categories: single (1 prompt, always passes), pair (6 prompts, half pass), position (2 prompts, never)
+    base = [[1.0, nan, nan]] + [[nan, float(i % 2), nan] for i in range(6)] + [[nan, nan, 0.0]] * 2
+    lora = [[1.0, nan, nan]] + [[nan, 1.0, nan] for _ in range(6)] + [[nan, nan, 0.5]] * 2
+    scores = np.array([base, lora])
+    strata = category_strata(scores)
+    assert strata.tolist() == [0, 1, 1, 1, 1, 1, 1, 2, 2]
+    idx = stratified_resample_indices(strata, 50, 4)
+    assert all(sorted(strata[row].tolist()) == strata.tolist() for row in idx)  # every group keeps its count
+    models, diffs = paired_bootstrap(scores, num_resamples=50, seed=4, statistic=category_mean, strata=strata)
+    base_overall = [_overall_by_hand(base, row) for row in idx.tolist()]
+    lora_overall = [_overall_by_hand(lora, row) for row in idx.tolist()]
+    assert models[0].mean == pytest.approx(_overall_by_hand(base, range(9)))  # (1 + 0.5 + 0) / 3
+    assert models[0].low == pytest.approx(_percentile(base_overall, 2.5))
+    assert models[1].high == pytest.approx(_percentile(lora_overall, 97.5))
+    deltas = [a - b for a, b in zip(lora_overall, base_overall)]
+    assert diffs[1].low == pytest.approx(_percentile(deltas, 2.5)) and diffs[1].low <= diffs[1].mean <= diffs[1].high
+    for m in models:
+        assert m.low <= m.mean <= m.high
+    # unstratified, the same data puts the point estimate of the difference outside its interval often enough
+    free = paired_bootstrap(scores, num_resamples=1000, seed=4, statistic=category_mean)[1][1]
+    assert not free.low <= free.mean <= free.high or free.high - free.low > diffs[1].high - diffs[1].low

@@ -116,6 +116,8 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     start = load_checkpoint(resume_from, adapter, optimizer, world, algo.checkpoint_state()) if resume_from else 0
     save = _saver(cfg, adapter, optimizer, algo, run_dir, world)
     logger = MetricsLogger(run_dir, world.is_main, cfg.run.tensorboard, wandb=cfg.run.wandb, config=cfg)
+    rewards = [k for k in logger.CONSOLE_KEYS if not k.startswith(("train/", "time/"))]
+    logger.CONSOLE_KEYS = (*rewards, *algo.console_metrics(cfg), "time/total_s")  # what moves for this algorithm
     logger.truncate_after(start)
     timer = PhaseTimer(world.device)
     maybe_eval = _evaluator(cfg, adapter, algo, save, scorer, test_set, world, run_dir, timer)
@@ -305,8 +307,8 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
         from imagerl.evaluation.held_out import eval_settings, evaluate
 
         if world.is_main and not interactive():  # a log has no bar: say what the next minutes are spent on
-            held_out = (f"{eval_settings(cfg, adapter, test_set).num_prompts} held-out prompts"
-                        if test_set is not None else "")
+            held_out = _held_out_count(eval_settings(cfg, adapter, test_set).num_prompts,
+                                       cfg.data.test_samples_per_prompt) if test_set is not None else ""
             print(f"evaluating after rollout {done}: " + ", ".join(
                 filter(None, [held_out, *(f"suite {n}" + (" (on those images)" if n in suites.on_held_out else "")
                                           for n in cfg.eval.suites)])), flush=True)
@@ -324,6 +326,13 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
             raise RewardError(f"evaluation after rollout {done}: {e}{where}; continue with --resume {run_dir}") from e
 
     return maybe_eval
+
+
+def _held_out_count(images: int, per_prompt: int) -> str:
+    """"500 held-out images (125 prompts x 4)": the test set repeats each prompt data.test_samples_per_prompt times."""
+    if per_prompt > 1 and images % per_prompt == 0:
+        return f"{images} held-out images ({images // per_prompt} prompts x {per_prompt})"
+    return f"{images} held-out images" if per_prompt > 1 else f"{images} held-out prompts"
 
 
 def _component_means(rewards, world) -> dict[str, float]:

@@ -133,6 +133,12 @@ class Algorithm(abc.ABC):
     def rollout_metrics(self, rollout) -> dict[str, float]:
         return {}
 
+    @classmethod
+    def console_metrics(cls, cfg) -> tuple[str, ...]:
+        """The training metrics the console line shows after the rewards (metrics.jsonl has them all): ones that
+        move, so that a line reads as training."""
+        return ("train/loss", "train/grad_norm")
+
     def evaluation_weights(self):
         """The weights evaluation and exports use; the policy's by default."""
         return contextlib.nullcontext()

@@ -118,7 +118,7 @@ class MetricsLogger:
 
     CONSOLE_KEYS = ("rollout/reward/raw_mean", "rollout/reward/raw_std", "eval/reward/raw_mean", "train/loss",
                     "train/clipfrac", "train/approx_kl", "train/grad_norm", "train/log_prob_mean_abs_diff",
-                    "time/total_s")
+                    "time/total_s")  # train.py narrows the train/ ones to the algorithm's console_metrics()
     CONSOLE_LABELS = {"eval/reward/raw_mean": "eval_reward"}
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: bool = False, config=None):

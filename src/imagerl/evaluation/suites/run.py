@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from imagerl.evaluation.suites import Suite, build_suite
-from imagerl.evaluation.suites.stats import Interval, category_mean, paired_bootstrap
+from imagerl.evaluation.suites.stats import Interval, category_mean, category_strata, paired_bootstrap
 
 NUM_RESAMPLES = 1000
 IMAGE_KEY = "suite_image"  # added to each image's metadata: its row in expand()'s list (the layout writer's key)
@@ -68,7 +68,8 @@ def summarise(suite: Suite, scores_MPC: np.ndarray, seed: int = 0) -> list[dict]
         models, diffs = paired_bootstrap(scores_MPC[:, keep, c], NUM_RESAMPLES, seed)
         rows.append({"measure": measure, "prompts": int(keep.sum()), "models": models, "diffs": diffs})
     if suite.overall and rows:
-        models, diffs = paired_bootstrap(scores_MPC, NUM_RESAMPLES, seed, statistic=category_mean)
+        models, diffs = paired_bootstrap(scores_MPC, NUM_RESAMPLES, seed, statistic=category_mean,
+                                         strata=category_strata(scores_MPC))  # no category drops out
         rows.append({"measure": "overall", "prompts": scores_MPC.shape[1], "models": models, "diffs": diffs})
     return rows
 
