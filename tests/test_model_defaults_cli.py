@@ -219,15 +219,40 @@ def test_a_long_caption_stays_inside_its_tile(tmp_path):
     assert strip.crop((0, 0, w, strip.height)).getextrema()[0] < 128  # the caption is drawn
 
 
-def test_a_local_directory_named_like_a_shipped_model_is_named_in_a_warning(tmp_path, monkeypatch):
+def test_a_local_directory_named_like_a_shipped_model_is_named_in_one_note(tmp_path, monkeypatch, capsys):
+    import imagerl.components
+
+    monkeypatch.setattr(imagerl.components, "_SHADOW_NOTED", set())
     monkeypatch.chdir(tmp_path)
     (tmp_path / "quickstart").mkdir()
     (tmp_path / "quickstart" / "model_index.json").write_text("{}")
-    with pytest.warns(UserWarning, match=r"pass ./quickstart \(a path\)"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a line of its own, not a raw UserWarning
         shipped = resolve_model_path("quickstart")
+        resolve_model_path("quickstart")
+    err = capsys.readouterr().err
+    assert err.count("imagerl: note:") == 1 and "to use the directory, pass ./quickstart" in err  # once a process
     assert shipped.name == "quickstart-model" and shipped != tmp_path / "quickstart"
     assert resolve_model_path("./quickstart") == Path("./quickstart")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        monkeypatch.chdir(tmp_path / "quickstart")
-        resolve_model_path("quickstart")  # no such local directory: no warning
+    monkeypatch.setattr(imagerl.components, "_SHADOW_NOTED", set())
+    monkeypatch.chdir(tmp_path / "quickstart")
+    resolve_model_path("quickstart")  # no such local directory: no note
+    assert capsys.readouterr().err == ""
+
+
+def test_a_tiny_checkpoint_made_from_the_command_line_samples_at_its_size_and_a_too_large_size_is_explained(
+        tmp_path, monkeypatch, capsys):
+    """make-tiny-checkpoint writes imagerl_defaults.json (64 px), says how to pass a folder named like a built-in
+    model, and a size past the tiny SD3's position table is refused with the largest it takes, not diffusers'
+    'cannot be greater than pos_embed_max_size'."""
+    from imagerl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["make-tiny-checkpoint", "--family", "sd3", "tiny_sd3"]) == 0
+    assert "pass it as ./tiny_sd3" in capsys.readouterr().out
+    assert json.loads((tmp_path / "tiny_sd3" / "imagerl_defaults.json").read_text())["height"] == 64
+    assert main(["sample", "--model", "./tiny_sd3", "--prompt", "a red circle", "--out", "a.png"]) == 0
+    assert "64x64 px" in capsys.readouterr().out and (tmp_path / "a.png").is_file()
+    assert main(["sample", "--model", "./tiny_sd3", "--prompt", "a", "--height", "128", "--out", "b.png"]) == 2
+    err = capsys.readouterr().err
+    assert "at most 64 px a side" in err and "--height 64" in err and "pos_embed_max_size 16" in err

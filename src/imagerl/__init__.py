@@ -1,11 +1,30 @@
 """imagerl: online reinforcement learning (Flow-GRPO, DiffusionNFT) for flow-matching text-to-image models."""
 
-from imagerl.algorithms.advantages import group_advantages
-from imagerl.families.registry import resolve_family
-from imagerl.rewards.ocr import ocr_reward
-from imagerl.rewards.registry import register_reward
-from imagerl.sampling import flow_sde_step, flow_sigmas
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["flow_sigmas", "flow_sde_step", "group_advantages", "ocr_reward", "register_reward", "resolve_family",
-           "__version__"]
+# the public names and the modules that define them, imported on first use (PEP 562): `imagerl recipes` and
+# `imagerl --help` then start without importing torch (seconds on a small CPU)
+_PUBLIC = {
+    "flow_sigmas": "imagerl.sampling",
+    "flow_sde_step": "imagerl.sampling",
+    "group_advantages": "imagerl.algorithms.advantages",
+    "ocr_reward": "imagerl.rewards.ocr",
+    "register_reward": "imagerl.rewards.registry",
+    "resolve_family": "imagerl.families.registry",
+}
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'imagerl' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 
+# components.NAMED_MODELS (not imported here: the parser is built without torch)
+MODEL_HELP = "a local diffusers-format checkpoint directory, or quickstart / tiny / tiny21 / tiny_sd3 / tiny_flux"
+
+
 def _train(args) -> int:
     from imagerl.config import load_config
     from imagerl.run.console import quiet_other_ranks
@@ -89,12 +93,19 @@ def _sft(args) -> int:
 
 
 def _make_tiny(args) -> int:
+    from imagerl.components import NAMED_MODELS
+    from imagerl.families.model_defaults import TINY_DEFAULTS, write_model_defaults
     from imagerl.families.registry import FAMILIES, _import_builtin
 
     _import_builtin()
     if args.family not in FAMILIES:
         raise ValueError(f"--family {args.family!r}: the families are {', '.join(sorted(FAMILIES))}")
-    print(f"wrote {FAMILIES[args.family].build_tiny_checkpoint(args.directory, seed=args.seed)}")
+    path = FAMILIES[args.family].build_tiny_checkpoint(args.directory, seed=args.seed)
+    write_model_defaults(path, **TINY_DEFAULTS)
+    print(f"wrote {path}")
+    if Path(args.directory).name in NAMED_MODELS and not Path(args.directory).is_absolute():
+        print(f"pass it as ./{Path(args.directory).name}: the bare name {Path(args.directory).name} is imagerl's "
+              "built-in model of that name")
     return 0
 
 
@@ -215,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="start over in a run directory that holds a run "
                    "(deletes its checkpoints, metrics, images and plots); without it such a directory is refused")
     p.add_argument("--output-dir", default=None, help="run directory (default: run.output_dir of the recipe)")
-    p.add_argument("--model", default=None, help="local diffusers-format checkpoint (same as model.path=)")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (same as model.path=)")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 | sd3 | flux (default: from the checkpoint)")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels and seeds (same as "
                    "parallel.deterministic=true); several GPUs: torchrun --nproc_per_node N -m imagerl train ...")
@@ -224,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="generate images (ODE; size, steps and guidance: the model's defaults)",
                        description="Settings not given: the model's imagerl_defaults.json (the quickstart model: 64 px, "
                        "10 steps, guidance 1), else the family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1).")
-    p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--prompt", action="append", required=True, help="repeat for several images")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 | sd3 | flux (default: from the checkpoint)")
     p.add_argument("--lora", default=None, help="a LoRA directory (the lora/ folder of an imagerl checkpoint)")
@@ -243,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Settings not given (size, steps, guidance, reward): the model's "
                        "imagerl_defaults.json (the quickstart model: 64 px, 10 steps, guidance 1, shapes), else the "
                        "family's (1024 px; 50 steps, guidance 4 / 2.1: 40, 1; jpeg_compressibility).")
-    p.add_argument("--model", required=True, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 | sd3 | flux (default: from the checkpoint)")
     p.add_argument("--lora", action="append", default=None, help="a LoRA directory (the lora/ folder of an imagerl "
                    "checkpoint); with --suite repeat it to compare several beside the base model")
@@ -276,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="supervised flow-matching fine-tuning on image-caption pairs (LoRA or full)",
                        description="Train: imagerl sft --model PATH --data FILE_OR_DIR --output-dir DIR [key=value ...]. "
                        "Export: imagerl sft --export RUN_DIR OUT_DIR. Settings: docs/sft.md (SFTConfig).")
-    p.add_argument("--model", default=None, help="local diffusers-format checkpoint, or quickstart / tiny / tiny21 / tiny_sd3 (same as model=)")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (same as model=)")
     p.add_argument("--data", default=None, help="JSONL ({\"image\": path, \"prompt\": text} per line) or folder of images + .txt")
     p.add_argument("--output-dir", default=None, help="run directory (default runs/sft)")
     p.add_argument("--family", default=None, help="qwen_image | qwen_image21 | sd3 | flux (default: from the checkpoint)")
@@ -365,23 +376,34 @@ def _how_to_continue(args) -> str:
     return f"; the last checkpoint, {last.name}, is kept: continue with `{continue_command(run_dir)}`"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from imagerl.rewards import RewardError
+def _is_reward_error(e: Exception) -> bool:
+    """Whether e is a RewardError, without importing imagerl.rewards (torch) for commands that never score: the
+    class can only have been raised once its module was imported."""
+    registry = sys.modules.get("imagerl.rewards.registry")
+    return registry is not None and isinstance(e, registry.RewardError)
 
+
+def main(argv: list[str] | None = None) -> int:
     from imagerl.run.console import quiet_harmless_warnings, quiet_library_progress
 
     args = build_parser().parse_args(argv)
     quiet_harmless_warnings()
-    quiet_library_progress()  # piped or logged: no "Loading weights" bars (a terminal keeps them)
+    if args.command not in ("recipes", "report", "make-synthetic-data"):  # these load no model: no diffusers import
+        quiet_library_progress()  # piped or logged: no "Loading weights" bars (a terminal keeps them)
     try:
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; checkpoints are written whole or not at all
         print(f"\nimagerl: interrupted{_how_to_continue(args)}", file=sys.stderr)
         return 130
-    except (ValueError, FileExistsError, RewardError) as e:
+    except (ValueError, FileExistsError) as e:
         print(f"imagerl: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # an unwritable path, a full disk: the message names the path (FileExistsError: above)
+        print(f"imagerl: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not _is_reward_error(e):
+            raise
         print(f"imagerl: error: {e}", file=sys.stderr)
         return 2
 

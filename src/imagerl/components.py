@@ -43,13 +43,17 @@ def resolve_model_path(spec: str, world: World | None = None) -> Path:
     return path
 
 
-def _warn_if_shadowed(name: str) -> None:
-    """A shipped model name wins over a local directory of that name: say so when one exists."""
-    if (Path(name) / "model_index.json").is_file():
-        import warnings
+_SHADOW_NOTED: set[str] = set()
 
-        warnings.warn(f"{name!r} is imagerl's shipped model; for the checkpoint directory ./{name} here, pass "
-                      f"./{name} (a path)", stacklevel=3)
+
+def _warn_if_shadowed(name: str) -> None:
+    """A shipped model name wins over a local directory of that name: say so (once a process) when one exists."""
+    if name not in _SHADOW_NOTED and (Path(name) / "model_index.json").is_file():
+        import sys
+
+        _SHADOW_NOTED.add(name)
+        print(f"imagerl: note: --model {name} is imagerl's built-in model {name}, not the checkpoint directory "
+              f"./{name} here; to use the directory, pass ./{name}", file=sys.stderr)
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:

@@ -79,3 +79,8 @@ def write_model_defaults(model_dir: str | Path, **settings) -> Path:
     path.write_text(json.dumps(settings, indent=1) + "\n")
     model_defaults(model_dir)
     return path
+
+
+# `imagerl make-tiny-checkpoint` writes these: a tiny random model samples fast there, and inside its position table
+# (tiny SD3: pos_embed_max_size 16 patches x 4 px = 64 px; the family's 1024 px default is past it)
+TINY_DEFAULTS = {"height": 64, "width": 64, "num_steps": 10}

@@ -88,10 +88,13 @@ HARMLESS_WARNINGS = (
     # of the joint text + image sequence): only an in-place op on that view would skip the all-gather, and none
     # follows; tests/test_distributed.py checks 2 ranks against 1 process every CI run
     r"FSDP2-wrapped module \(.*\) returned a view tensor",
+    # transformers >= 5 without torchvision: SD3.5's and FLUX.1's checkpoints name a CLIPImageProcessor (their
+    # feature_extractor, which imagerl never calls); the PIL class it falls back to is the one transformers 4 used
+    r"`\w+ImageProcessor` requires torchvision \(not installed\); falling back to",
 )
 
 # Loggers that emit HARMLESS_WARNINGS through logging rather than the warnings module
-_HARMLESS_LOGGERS = ("diffusers.models.modeling_utils",)
+_HARMLESS_LOGGERS = ("diffusers.models.modeling_utils", "transformers.utils.import_utils")
 
 
 class _DropHarmless:

@@ -74,6 +74,10 @@ def summarise(suite: Suite, scores_MPC: np.ndarray, seed: int = 0) -> list[dict]
     return rows
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _cell(i: Interval, signed: bool = False) -> str:
     f = "{:+.3f}" if signed else "{:.3f}"
     return f"{f.format(i.mean)} [{f.format(i.low)}, {f.format(i.high)}]"
@@ -118,9 +122,10 @@ def cli_suite(args) -> dict:
     settings = EvalSettings(steps, float(guidance), h, w, args.seed, args.batch_size, args.negative_prompt, len(prompts))
     out = Path(args.out)
     labels = ["base", *_unique([lora_label(p) for p in loras])]
+    size = f"{_count(n, 'prompt')} x {_count(k, 'image')}"  # "32 prompts x 1 image", not "x 1 images"
     if world.is_main:
-        print(f"suite {suite.name}: {n} prompts x {k} images, {h}x{w} px, {steps} steps, guidance {guidance:g}; "
-              f"{suite.source}; models: {', '.join(labels)}")
+        print(f"suite {suite.name}: {size}, {h}x{w} px, {steps} steps, guidance {guidance:g}; {suite.source}; "
+              f"models: {', '.join(labels)}")
     adapter = family.from_pretrained(path, world.device, resolve_dtype(args.dtype, world.device))
     width = max(1, len(suite.measures))
     scores, seconds = [], []
@@ -167,13 +172,14 @@ def _write_results(suite: Suite, labels, loras, scores_MPC, seconds, settings, n
     import dataclasses
 
     rows = summarise(suite, scores_MPC, seed=args.seed)
+    size = f"{_count(n, 'prompt')} x {_count(k, 'image')}"
     out.mkdir(parents=True, exist_ok=True)
     timing = ", ".join(f"{label} {s:.1f} s" for label, s in zip(labels, seconds))
     if suite.measures:
         table = markdown_table(labels, rows)
         print(table)
     else:
-        table = f"{n} prompts x {k} images written in GenEval's layout under {out / suite.name}/<model>/"
+        table = f"{size} written in GenEval's layout under {out / suite.name}/<model>/"
         print(table + "; score them with GenEval's evaluation/evaluate_images.py")
     print(f"time: {timing} ({world.size} process{'es' if world.size > 1 else ''})")
     record = {
@@ -189,7 +195,7 @@ def _write_results(suite: Suite, labels, loras, scores_MPC, seconds, settings, n
     }
     (out / f"suite_{suite.name.replace(':', '_')}.json").write_text(json.dumps(record, indent=1) + "\n")
     md = out / f"suite_{suite.name.replace(':', '_')}.md"
-    md.write_text(f"suite {suite.name} ({suite.source}): {n} prompts x {k} images\n\n{table}\n\ntime: {timing}\n")
+    md.write_text(f"suite {suite.name} ({suite.source}): {size}\n\n{table}\n\ntime: {timing}\n")
     print(f"wrote {md} and {md.with_suffix('.json')}")
     world.barrier()
     return record

@@ -94,6 +94,14 @@ class SD3Family(FamilyAdapter):
         f = self.vae_scale_factor * self.transformer.config.patch_size
         if height % f or width % f:
             raise ValueError(f"sample.height/width must be multiples of {f} for {self.name}, got {height}x{width}")
+        # the learned position table covers pos_embed_max_size patches a side (SD3.5: 384 x 16 px = 6144 px); past it
+        # diffusers' PatchEmbed raises "Height (N) cannot be greater than pos_embed_max_size"
+        limit = getattr(self.transformer.config, "pos_embed_max_size", None)
+        if limit and max(height, width) > limit * f:
+            raise ValueError(f"{height}x{width} px is larger than this checkpoint's position table allows: at most "
+                             f"{limit * f} px a side (pos_embed_max_size {limit} patches x {f} px); pass a smaller "
+                             f"size (imagerl sample/eval: --height {min(height, limit * f)} --width "
+                             f"{min(width, limit * f)}; a run: sample.height, sample.width)")
         return height // self.vae_scale_factor, width // self.vae_scale_factor
 
     def image_seq_len(self, height: int, width: int) -> int:
