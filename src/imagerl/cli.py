@@ -4,8 +4,15 @@ convert-checkpoint."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+# OpenMP threads with no work spin before they sleep (libgomp's default); on cores shared with other processes the
+# spinning takes the cores the others need. Beside one 2-thread torch process on 2 cores `imagerl eval` of the
+# quickstart took 85.6 s with the default, 27.1 s with PASSIVE (alone: 14.7 and 15.2 s; benchmarks/LOG.md, "CPUs
+# shared with other work"). Set before torch loads OpenMP; a value the user set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # components.NAMED_MODELS (not imported here: the parser is built without torch)
@@ -122,6 +129,7 @@ def _sample(args) -> int:
     from imagerl.sample import check_image_path, sample_images, save_images
 
     check_image_path(args.out)
+    _note_busy_cpus(args.device)
     images = sample_images(args.model, args.prompt, family=args.family or "auto", lora=args.lora,
                            num_steps=args.steps, seed=args.seed, guidance_scale=args.guidance, height=args.height,
                            width=args.width, negative_prompt=args.negative_prompt, device=args.device,
@@ -151,7 +159,18 @@ def _report(args) -> int:
     return 0
 
 
+def _note_busy_cpus(device: str) -> None:
+    """imagerl eval / sample on a CPU that other processes keep busy: say it will be slower, and what helps."""
+    if device in ("auto", "cpu"):
+        from imagerl.run.cpu_estimate import busy_cpus_note
+
+        note = busy_cpus_note()
+        if note and (device == "cpu" or not __import__("torch").cuda.is_available()):
+            print(f"imagerl: note: {note[2:]}", file=sys.stderr)
+
+
 def _eval(args) -> int:
+    _note_busy_cpus(args.device)
     if args.suite:
         from imagerl.evaluation.suites.run import cli_suite
 

@@ -91,6 +91,10 @@ HARMLESS_WARNINGS = (
     # transformers >= 5 without torchvision: SD3.5's and FLUX.1's checkpoints name a CLIPImageProcessor (their
     # feature_extractor, which imagerl never calls); the PIL class it falls back to is the one transformers 4 used
     r"`\w+ImageProcessor` requires torchvision \(not installed\); falling back to",
+    # Inductor on compiled Qwen-Image (2512) blocks: diffusers' RoPE is a complex product, run as an eager kernel
+    # inside the compiled graph; the speeds in benchmarks/RESULTS.md include it (Qwen-Image 2.1's blocks take
+    # the RoPE as real pairs instead: families/layers/rope_pairs.py)
+    r"Torchinductor does not support code generation for complex operators",
 )
 
 # Loggers that emit HARMLESS_WARNINGS through logging rather than the warnings module

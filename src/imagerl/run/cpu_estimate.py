@@ -47,7 +47,7 @@ def rollout_flops(cfg, family_name: str, transformer_config: dict) -> int:
 
     _import_builtin()
     rows = FAMILIES[family_name].cfg_rows(s.guidance_scale)  # flux: one row (its guidance is an input)
-    trained = s.num_steps if cfg.train.algorithm == "diffusion_nft" else s.num_sde_steps
+    trained = _trained_steps(cfg)
     samples = s.prompts_per_rollout * s.group_size
     return samples * rows * forward * (s.num_steps + 3 * trained)
 
@@ -74,6 +74,16 @@ def cpu_rollout_warning(cfg, path: Path, family_name: str) -> str | None:
             f"or try the CPU quickstart: imagerl train")
 
 
+def _trained_steps(cfg) -> int:
+    """Timesteps trained per image: DiffusionNFT's first floor(T x nft.timestep_fraction) of the grid (the
+    quickstart: 4 of 10; counting all 10 put its estimate at twice the run), Flow-GRPO's SDE window."""
+    if cfg.train.algorithm == "diffusion_nft":
+        from imagerl.algorithms.diffusion_nft import trained_timesteps
+
+        return trained_timesteps(cfg.sample.num_steps, cfg.nft.timestep_fraction)
+    return cfg.sample.num_sde_steps
+
+
 def measured_rollout_seconds(adapter, cfg, ranks: int = 1) -> float:
     """One rollout's time on this device, from timed pieces: a transformer forward of a rollout batch (after one
     warm-up) per denoising step plus 3 per trained step (forward and backward), and a VAE decode, per batch."""
@@ -98,7 +108,7 @@ def measured_rollout_seconds(adapter, cfg, ranks: int = 1) -> float:
         start = time.perf_counter()
         adapter.decode(x, s.height, s.width)
         decode = time.perf_counter() - start
-    trained = s.num_steps if cfg.train.algorithm == "diffusion_nft" else s.num_sde_steps
+    trained = _trained_steps(cfg)
     batches = s.prompts_per_rollout * s.group_size / ranks / batch  # each rank samples its share
     return batches * (forward * (s.num_steps + 3 * trained) + decode)
 
@@ -112,9 +122,46 @@ def measured_rollout_message(adapter, cfg, ranks: int = 1) -> tuple[str, bool]:
             f"{_duration(seconds)} on this CPU ({cfg.train.num_rollouts} rollout{'s' if cfg.train.num_rollouts != 1 else ''}: "
             f"{_duration(total)}; timed "
             "from a forward and a decode, rewards and evaluation not counted)")
+    line += busy_cpus_note()
     if seconds <= WARN_ABOVE_S and total <= WARN_RUN_ABOVE_S:
         return line, False
     return line + "; this recipe is meant for a GPU (model.device=cuda), or try the CPU quickstart: imagerl train", True
+
+
+def busy_cpus_note(others: float | None = None, cores: int | None = None) -> str:
+    """"; other processes keep ..." when other processes' runnable threads fill 3/4 of the cores or more, else "".
+    Counted now (the median of 5 reads of /proc/loadavg's runnable count, 50 ms apart, less this thread), not the
+    load average, which still holds a command that has just finished. Beside one 2-thread torch process on 2 cores,
+    `imagerl eval` of the quickstart took 85.6 s instead of 14.7 with libgomp's spinning threads, 27.1 s with
+    OMP_WAIT_POLICY=PASSIVE (imagerl's default) and 23.2 s with OMP_NUM_THREADS=1; 6 quickstart rollouts 108 / 86 /
+    101 s instead of 42 (benchmarks/LOG.md, "CPUs shared with other work")."""
+    import os
+
+    if others is None:
+        others = _runnable_others()
+        if others is None:  # no /proc (not Linux)
+            return ""
+    cores = cores or os.cpu_count() or 1
+    if others < 0.75 * cores:
+        return ""
+    return (f"; other processes keep these {cores} cores busy ({others:g} threads running besides imagerl): expect it "
+            "to take 2-6x longer than on an idle machine; OMP_NUM_THREADS=1 can help when they use every core")
+
+
+def _runnable_others(reads: int = 5, interval_s: float = 0.05) -> float | None:
+    import statistics
+    import time
+
+    counts = []
+    try:
+        for i in range(reads):
+            with open("/proc/loadavg") as f:  # "0.52 0.58 0.59 3/250 12345": 3 runnable now, this reader included
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+            if i + 1 < reads:
+                time.sleep(interval_s)
+    except (OSError, IndexError, ValueError):
+        return None
+    return statistics.median(counts)
 
 
 def _duration(seconds: float) -> str:
