@@ -5,6 +5,7 @@ ends with one line and the last checkpoint resumes."""
 import json
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 
@@ -107,18 +108,25 @@ def test_ctrl_c_before_the_first_checkpoint_and_the_same_command_starts_again(ti
         raise KeyboardInterrupt
 
     monkeypatch.setattr(AsyncScorer, "collect", interrupted)
-    args = _args(tiny_checkpoint, run, "train.num_rollouts=2")
+    monkeypatch.chdir(tmp_path)
+    args = _args(tiny_checkpoint, "run", "train.num_rollouts=2")  # relative, as a user types it
     assert main(args) == 130
     err = capsys.readouterr().err
-    assert f"{run} holds no checkpoint yet: the same command starts the run again" in err and "--resume" not in err
+    assert "run holds no checkpoint yet: the same command starts the run again" in err and "--resume" not in err
     assert (run / "config.yaml").is_file() and not list(run.glob("checkpoints/step_*"))
     monkeypatch.setattr(AsyncScorer, "collect", collect)
+    config = (run / "config.yaml").read_text()
+    assert main(_args(tiny_checkpoint, "run", "train.num_rollouts=2", "train.lr=0.5")) == 2  # another run: refused
+    assert "already holds a run" in capsys.readouterr().err and (run / "config.yaml").read_text() == config
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "stopped before its first checkpoint: starting it again" in out
+    assert "stopped before its first checkpoint: starting it again (replacing config.yaml" in out
     assert _steps(run) == [1, 2]
-    assert main(args) == 2  # now it holds a checkpoint: refused, naming the command that continues it
-    assert f"imagerl train --resume {run}" in capsys.readouterr().err
+    assert main(args) == 2  # now it holds a checkpoint: refused, naming the command that continues it, absolute
+    assert f"imagerl train --resume {run.absolute()}`" in capsys.readouterr().err
+    for step in run.glob("checkpoints/step_*"):  # a finished run whose checkpoints were deleted: refused too
+        shutil.rmtree(step)
+    assert main(args) == 2 and _steps(run) == [1, 2]
     other = tmp_path / "other"
     other.mkdir()
     (other / "metrics.jsonl").write_text("")  # not imagerl's (no lock file): refused, nothing deleted

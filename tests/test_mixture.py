@@ -211,6 +211,7 @@ def test_the_readme_mixture_example_trains_evaluates_and_reports(tmp_path, capsy
     argv = _readme_command("data.mixture=")
     assert argv[:2] == ["imagerl", "train"] and "data.test_prompts=" in argv
     run = tmp_path / "mixture"
+    assert argv.count("--output-dir") == 1 and argv[argv.index("--output-dir") + 1].startswith("runs/")
     argv = [a if not a.startswith("runs/") else str(run) for a in argv[1:]]  # --output-dir into tmp_path
     assert main([*argv, "train.num_rollouts=1", "eval.interval=1", "eval.max_prompts=4", "eval.suites=[]",
                  "sample.prompts_per_rollout=4", "run.checkpoint_every=1"]) == 0

@@ -256,3 +256,7 @@ def test_a_tiny_checkpoint_made_from_the_command_line_samples_at_its_size_and_a_
     assert main(["sample", "--model", "./tiny_sd3", "--prompt", "a", "--height", "128", "--out", "b.png"]) == 2
     err = capsys.readouterr().err
     assert "at most 64 px a side" in err and "--height 64" in err and "pos_embed_max_size 16" in err
+    # the built-in one (built into the cache on first use) has the same defaults
+    assert main(["sample", "--model", "tiny_sd3", "--prompt", "a", "--out", "c.png"]) == 0
+    captured = capsys.readouterr()
+    assert "64x64 px" in captured.out and "built-in model tiny_sd3, not the checkpoint directory" in captured.err

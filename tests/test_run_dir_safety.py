@@ -318,7 +318,7 @@ def test_overwrite_refuses_a_directory_imagerl_did_not_create(tiny_checkpoint, t
 # ---------------------------------------------------------------- a full disk
 
 
-def test_a_full_disk_at_the_first_checkpoint_names_the_path_and_size_and_the_same_command_restarts(tiny_checkpoint, tmp_path,
+def test_a_full_disk_at_the_first_checkpoint_names_the_path_and_size_and_says_to_start_over(tiny_checkpoint, tmp_path,
                                                                                           monkeypatch, capsys):
     import imagerl.run.checkpoint_tensors as checkpoint_tensors
 
@@ -335,10 +335,10 @@ def test_a_full_disk_at_the_first_checkpoint_names_the_path_and_size_and_the_sam
     assert f"checkpoint step_000001 (it needs about" in line and str(run_dir / "checkpoints") in line
     size = re.search(r"it needs about ([\d.]+) (KB|MB|GB)", line)
     assert size and float(size[1]) > 0, line
-    assert "no checkpoint exists yet" in line and "the same command again" in line and "--resume" not in line
+    assert "no checkpoint exists yet" in line and "--overwrite" in line and "--resume" not in line
     assert not (run_dir / "checkpoints" / "step_000001.tmp").exists()
     monkeypatch.setattr(checkpoint_tensors, "save_file", real)
-    assert main(_cli(tiny_checkpoint, run_dir)) == 0  # the advice works: the same command
+    assert main(_cli(tiny_checkpoint, run_dir, "--overwrite")) == 0  # the advice works
     assert _steps(run_dir) == [1]
 
 

@@ -27,4 +27,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(__all__)
+    return sorted({*globals(), *__all__})

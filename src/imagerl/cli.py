@@ -8,11 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-# OpenMP threads with no work spin before they sleep (libgomp's default); on cores shared with other processes the
-# spinning takes the cores the others need. Beside one 2-thread torch process on 2 cores `imagerl eval` of the
-# quickstart took 85.6 s with the default, 27.1 s with PASSIVE (alone: 14.7 and 15.2 s; benchmarks/LOG.md, "CPUs
-# shared with other work"). Set before torch loads OpenMP; a value the user set wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # components.NAMED_MODELS (not imported here: the parser is built without torch)
@@ -37,7 +32,7 @@ def _train(args) -> int:
         cfg = load_config(args.recipe or "quickstart", flags + args.overrides)
         if args.output_dir:
             cfg.run.output_dir = args.output_dir
-    args.run_dir = cfg.output_dir  # for the Ctrl-C message
+    args.run_dir, args.run_config = cfg.output_dir, cfg.to_dict()  # for the Ctrl-C message
     run_dir = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if (run_dir / "metrics.jsonl").is_file():
         from imagerl.run.report import format_eval_table, format_suite_tables, load_run
@@ -110,9 +105,8 @@ def _make_tiny(args) -> int:
     path = FAMILIES[args.family].build_tiny_checkpoint(args.directory, seed=args.seed)
     write_model_defaults(path, **TINY_DEFAULTS)
     print(f"wrote {path}")
-    if Path(args.directory).name in NAMED_MODELS and not Path(args.directory).is_absolute():
-        print(f"pass it as ./{Path(args.directory).name}: the bare name {Path(args.directory).name} is imagerl's "
-              "built-in model of that name")
+    if args.directory in NAMED_MODELS:  # `--model tiny_sd3` would name the built-in one
+        print(f"pass it as ./{args.directory}: the bare name {args.directory} is imagerl's built-in model of that name")
     return 0
 
 
@@ -384,15 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _how_to_continue(args) -> str:
     """After Ctrl-C in train or sft: the exact command that continues this run (its directory named), or, before
     its first checkpoint, that the same command starts it again."""
-    from imagerl.run.checkpoint import continue_command, latest_checkpoint
+    from imagerl.run.checkpoint import latest_checkpoint
+    from imagerl.run.lock import continue_command, restartable
 
     run_dir = getattr(args, "run_dir", None)
-    if run_dir is None:  # interrupted before the run directory was known
+    if run_dir is None or not run_dir.is_dir():  # interrupted before the run directory was known or made
         return ""
-    last = latest_checkpoint(run_dir) if run_dir.is_dir() else None
-    if last is None:
+    last = latest_checkpoint(run_dir)
+    if last is not None:
+        return f"; the last checkpoint, {last.name}, is kept: continue with `{continue_command(run_dir)}`"
+    if args.command == "sft" or restartable(run_dir, getattr(args, "run_config", None)):
         return f"; {run_dir} holds no checkpoint yet: the same command starts the run again"
-    return f"; the last checkpoint, {last.name}, is kept: continue with `{continue_command(run_dir)}`"
+    return f"; {run_dir} holds no complete checkpoint: start it over with the same command and --overwrite"
 
 
 def _is_reward_error(e: Exception) -> bool:
@@ -403,6 +400,12 @@ def _is_reward_error(e: Exception) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # OpenMP threads with no work spin before they sleep (libgomp's default); on cores shared with other processes
+    # the spinning takes the cores the others need. Beside one 2-thread torch process on 2 cores `imagerl eval` of
+    # the quickstart took 85.6 s with the default, 27.1 s with PASSIVE (alone: 14.7 and 15.2 s; benchmarks/LOG.md,
+    # "CPUs shared with other work"). Read when torch loads OpenMP, which the command line has not done yet (a
+    # caller that imported torch first keeps its policy); a value the user set wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from imagerl.run.console import quiet_harmless_warnings, quiet_library_progress
 
     args = build_parser().parse_args(argv)

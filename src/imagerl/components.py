@@ -35,9 +35,14 @@ def resolve_model_path(spec: str, world: World | None = None) -> Path:
 
     family = tiny_families()[spec]
     path = cache_dir() / family.tiny_cache_name
-    if (world is None or world.is_main) and not (path / "model_index.json").is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        family.build_tiny_checkpoint(path)
+    if world is None or world.is_main:
+        from imagerl.families.model_defaults import DEFAULTS_FILE, TINY_DEFAULTS, write_model_defaults
+
+        if not (path / "model_index.json").is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            family.build_tiny_checkpoint(path)
+        if not (path / DEFAULTS_FILE).is_file():  # a size it can sample at (a cache built before: added now)
+            write_model_defaults(path, **TINY_DEFAULTS)
     if world is not None:
         world.barrier()
     return path

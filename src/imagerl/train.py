@@ -29,7 +29,7 @@ from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
 from imagerl.run.lock import hold_run_dir
 from imagerl.rewards.scoring import AsyncScorer, ScoredRollout
-from imagerl.run.lock import check_fresh_run_dir, check_run_files, clear_run_outputs
+from imagerl.run.lock import check_fresh_run_dir, check_run_files, clear_run_outputs, continue_command
 from imagerl.run.checkpoint import recover_interrupted
 from imagerl.validation import validate
 
@@ -62,7 +62,7 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Pa
                   f"train.num_rollouts={done_before + cfg.train.num_rollouts}")
         return run_dir
     if resume_from is None:
-        check_fresh_run_dir(run_dir, overwrite)  # every rank alike
+        check_fresh_run_dir(run_dir, overwrite, cfg.to_dict())  # every rank alike
     with hold_run_dir(run_dir, world):  # one writer: a second run into run_dir is refused, naming this one
         if resume_from is not None:
             if world.is_main:  # the run directory is this run's now: finish a checkpoint swap a kill interrupted
@@ -87,7 +87,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
     run_dir = cfg.output_dir
     restart = False
     if resume_from is None and not overwrite:  # every rank raises alike; with overwrite rank 0 alone clears below
-        restart = check_fresh_run_dir(run_dir, overwrite=False)  # True: a start that wrote no checkpoint
+        restart = check_fresh_run_dir(run_dir, False, cfg.to_dict())  # True: this run, stopped before a checkpoint
         world.barrier()  # every rank has looked before rank 0 writes anything there
     scorer = Scorer(cfg.reward, world.device, set_weights=set_weights(cfg))  # data.mixture: each set its rewards
     for prompt_set in (train_set, test_set) if test_set is not None else (train_set,):
@@ -95,7 +95,9 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
 
     if world.is_main and resume_from is None and (overwrite or restart):  # after every config error, before the
         if restart:                                                          # slow part
-            print(f"{run_dir} holds a run that stopped before its first checkpoint: starting it again")
+            replaced = ", ".join(sorted(p.name for p in run_dir.iterdir() if p.name != ".imagerl.lock"))
+            print(f"{run_dir} holds this run, stopped before its first checkpoint: starting it again (replacing "
+                  f"{replaced})")
         clear_run_outputs(run_dir)
     if world.is_main and world.device.type == "cpu":
         _warn_if_slow_on_cpu(cfg, world)
@@ -179,8 +181,8 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
             if drifted:  # monitor.stop_on_drift
                 raise DriftStop(f"rollout {done}: a drift monitor passed monitor.max_drift={cfg.monitor.max_drift:g} "
                                 f"(the warning above) and monitor.stop_on_drift is on; the state is saved in {path}. "
-                                f"Look at {run_dir / 'images'}; continue with --resume {run_dir} "
-                                "monitor.stop_on_drift=false if the change is wanted")
+                                f"Look at {run_dir / 'images'}; continue with `{continue_command(run_dir)} "
+                                "monitor.stop_on_drift=false` if the change is wanted")
 
     bar.close()
     scoring.close()
@@ -319,11 +321,12 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
                                                                suites=suites)
                 return {**metrics, **(suites(adapter, done, run_dir) if suites else {})}
         except RewardError as e:
-            where = ""
+            advice = "; once fixed, run the same command again (no checkpoint exists yet)"
             if done > 0:  # every rank gets here (the eval reward error is raised on all ranks)
                 path = save(done, cfg.run.keep_checkpoints + 1)
-                where = f"; the state after rollout {done} is saved in {path}"
-            raise RewardError(f"evaluation after rollout {done}: {e}{where}; continue with --resume {run_dir}") from e
+                advice = (f"; the state after rollout {done} is saved in {path}; continue with "
+                          f"`{continue_command(run_dir)}`")
+            raise RewardError(f"evaluation after rollout {done}: {e}{advice}") from e
 
     return maybe_eval
 
@@ -331,7 +334,8 @@ def _evaluator(cfg: Config, adapter, algo, save, scorer, test_set, world, run_di
 def _held_out_count(images: int, per_prompt: int) -> str:
     """"500 held-out images (125 prompts x 4)": the test set repeats each prompt data.test_samples_per_prompt times."""
     if per_prompt > 1 and images % per_prompt == 0:
-        return f"{images} held-out images ({images // per_prompt} prompts x {per_prompt})"
+        prompts = images // per_prompt
+        return f"{images} held-out images ({prompts} prompt{'s' if prompts != 1 else ''} x {per_prompt})"
     return f"{images} held-out images" if per_prompt > 1 else f"{images} held-out prompts"
 
 
@@ -354,10 +358,10 @@ def _check_rewards(scored: ScoredRollout, failed_count: int, cfg: Config, run_di
     bad = (~scored.rewards.valid_B).nonzero().flatten().tolist()
     reason = "; ".join(scored.errors) or (f"rewards are NaN/inf for samples {bad[:8]}" if bad else
                                           f"{failed_count} rewards failed on other ranks")
-    where = ""
+    advice = "Fix the reward, then run the same command again (no checkpoint exists yet)"
     if step > 0:  # every rank gets here: failed_count is global
         path = save(step, cfg.run.keep_checkpoints + 1)
-        where = f"; the state after rollout {step} is saved in {path}"
+        advice = (f"The state after rollout {step} is saved in {path}; fix the reward, then continue with "
+                  f"`{continue_command(run_dir)}`")
     raise RewardError(f"rollout {step + 1}: {reason} (reward.on_error=error; reward.on_error=skip drops such "
-                      f"samples){where}. Fix the reward, then continue with `imagerl train --recipe {cfg.recipe} "
-                      f"--resume {run_dir}`")
+                      f"samples). {advice}")

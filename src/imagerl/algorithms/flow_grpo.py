@@ -203,13 +203,12 @@ class FlowGRPO(Algorithm):
 
     @classmethod
     def console_metrics(cls, cfg: Config) -> tuple[str, ...]:
-        # One optimizer step per rollout is on-policy (ratio exactly 1): clipfrac and approx_kl are 0 and, without
-        # the KL term, the loss is minus the mean advantage, 0 up to rounding (advantages are centred per group).
-        # The gradient is not: grad_norm shows the update; the replay's |log-prob diff| that the ratio is 1.
-        t = cfg.train
-        off_policy = t.num_optimizer_steps > 1
-        return (*(("train/loss",) if off_policy or t.beta > 0 else ()),
-                *(("train/clipfrac", "train/approx_kl") if off_policy else ()),
+        # One optimizer step per rollout is on-policy (ratio exactly 1): clipfrac and approx_kl are 0. The loss is
+        # then minus the mean (clipped) advantage, often 0 up to rounding, but it moves with the KL term and with
+        # train.adv_clip_max clipping, so it stays; grad_norm shows the update, the replay's |log-prob diff| that
+        # the ratio is 1.
+        off_policy = cfg.train.num_optimizer_steps > 1
+        return ("train/loss", *(("train/clipfrac", "train/approx_kl") if off_policy else ()),
                 "train/grad_norm", "train/log_prob_mean_abs_diff")
 
     @classmethod

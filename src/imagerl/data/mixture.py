@@ -74,8 +74,8 @@ def check_mixture(cfg) -> None:
                          "share or sample.prompts_per_rollout")
     if data.test_prompts:
         raise ValueError("data.mixture: held-out prompts come from each set's test_prompts (scored by that set's "
-                         f"rewards); remove data.test_prompts={data.test_prompts!r} (on the command line: data.test_prompts= "
-                         "with nothing after '='; in YAML: test_prompts: '')")
+                         f"rewards); remove data.test_prompts={data.test_prompts!r} (on the command line: "
+                         "data.test_prompts= with nothing after '='; in YAML: test_prompts: '')")
     cfg.reward.weights = {name: 1.0 for s in sets for name in s.rewards}
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shlex
 import shutil
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from imagerl.run.load_checks import (FLOAT_DTYPES, PEFT_PREFIX, LoraFiles, check
                                      check_weights_dir, parse_json, read_json, read_lora_dir, read_tensors,
                                      safetensors_header)
 from imagerl.distributed.parallel import World
-from imagerl.run.lock import CHECKPOINT_NAME, link_refusal
+from imagerl.run.lock import CHECKPOINT_NAME, continue_command, link_refusal
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -188,22 +187,15 @@ def _last_intact(run_dir: Path) -> str:
     return f"the last checkpoint, {done[-1]}, is intact" if done else "no earlier checkpoint exists"
 
 
-def continue_command(run_dir: Path) -> str:
-    """The command that continues the run in run_dir from its last checkpoint, whatever the current directory."""
-    where = shlex.quote(str(run_dir))
-    if (Path(run_dir) / "sft_config.yaml").is_file():
-        return f"imagerl sft --output-dir {where} --resume latest"
-    return f"imagerl train --resume {where}"
-
-
 def after_disk_full(run_dir: Path) -> str:
     """What to do once a full disk stopped the run: continue from the last checkpoint, or start over before the
     first one (--resume would find nothing)."""
     done = _complete(run_dir)
     if done:
-        return f"the last checkpoint, {done[-1]}, is intact. Free space, then continue with `{continue_command(run_dir)}`"
-    return ("no checkpoint exists yet, so there is nothing to resume: free space, then run the same command again "
-            "(a run directory without a checkpoint starts over)")
+        return (f"the last checkpoint, {done[-1]}, is intact. Free space, then continue with "
+                f"`{continue_command(run_dir)}`")
+    return ("no checkpoint exists yet, so there is nothing to resume: free space, then start the run over "
+            "(imagerl train: the same command with --overwrite)")
 
 
 def _checkpoint_dirs(run_dir: Path) -> list[tuple[Path, str]]:

@@ -115,6 +115,7 @@ def measured_rollout_seconds(adapter, cfg, ranks: int = 1) -> float:
 
 def measured_rollout_message(adapter, cfg, ranks: int = 1) -> tuple[str, bool]:
     """(the line to print, whether it is a warning) for one rollout measured on this CPU (`ranks` processes)."""
+    note = busy_cpus_note()  # counted before this process's own threads are timed
     seconds = measured_rollout_seconds(adapter, cfg, ranks)
     images = cfg.sample.prompts_per_rollout * cfg.sample.group_size
     total = seconds * cfg.train.num_rollouts
@@ -122,7 +123,7 @@ def measured_rollout_message(adapter, cfg, ranks: int = 1) -> tuple[str, bool]:
             f"{_duration(seconds)} on this CPU ({cfg.train.num_rollouts} rollout{'s' if cfg.train.num_rollouts != 1 else ''}: "
             f"{_duration(total)}; timed "
             "from a forward and a decode, rewards and evaluation not counted)")
-    line += busy_cpus_note()
+    line += note
     if seconds <= WARN_ABOVE_S and total <= WARN_RUN_ABOVE_S:
         return line, False
     return line + "; this recipe is meant for a GPU (model.device=cuda), or try the CPU quickstart: imagerl train", True
@@ -141,11 +142,13 @@ def busy_cpus_note(others: float | None = None, cores: int | None = None) -> str
         others = _runnable_others()
         if others is None:  # no /proc (not Linux)
             return ""
-    cores = cores or os.cpu_count() or 1
+    if cores is None:  # the cores this process may use (a container's or taskset's limit), else all
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if others < 0.75 * cores:
         return ""
     return (f"; other processes keep these {cores} cores busy ({others:g} threads running besides imagerl): expect it "
-            "to take 2-6x longer than on an idle machine; OMP_NUM_THREADS=1 can help when they use every core")
+            "to take about twice as long as on an idle machine or more; OMP_NUM_THREADS=1 can help when they use "
+            "every core")
 
 
 def _runnable_others(reads: int = 5, interval_s: float = 0.05) -> float | None:

@@ -171,9 +171,9 @@ def check_output_dir(path) -> Path:
 
 # what `imagerl train` writes in a run directory (--overwrite removes these and nothing else)
 RUN_OUTPUTS = ("metrics.jsonl", "metrics.jsonl.tmp", "tensorboard", "images", "checkpoints", "plots", "config.yaml",
-               "config.resumed_*.yaml")
+               "config.resumed_*.yaml", "wandb_run_id")  # a new run is a new W&B run: its steps start at 0 again
 # every name imagerl keeps in a run directory (train and sft): none of them may be a symbolic link
-RUN_FILES = (*RUN_OUTPUTS, LOCK_FILE, "wandb_run_id", "sft_config.yaml")
+RUN_FILES = (*RUN_OUTPUTS, LOCK_FILE, "sft_config.yaml")
 
 
 def check_run_files(run_dir) -> None:
@@ -205,18 +205,17 @@ def is_run_dir(path) -> bool:
         CHECKPOINT_NAME.fullmatch(p.name) and (p / "state.json").is_file() for p in checkpoints.iterdir()))
 
 
-def check_fresh_run_dir(path, overwrite: bool) -> bool:
+def check_fresh_run_dir(path, overwrite: bool, config: dict | None = None) -> bool:
     """A new run (no --resume) refuses a run directory that already holds files: a second `imagerl train` would
     overwrite its checkpoints, grids and plots and append a second history to metrics.jsonl. With overwrite, a
-    directory imagerl did not run in is refused (its files are not imagerl's to delete). A run imagerl started that
-    wrote no checkpoint (interrupted or failed before its first) has nothing to continue: it is restartable, and True
-    says its outputs are to be replaced. Reads only: the deleting is clear_run_outputs'."""
+    directory imagerl did not run in is refused (its files are not imagerl's to delete). The same run (`config`,
+    the new run's settings) started again after it stopped before its first checkpoint has nothing to continue: it
+    is restartable (`restartable`), and True says its outputs are to be replaced. Reads only: the deleting is
+    clear_run_outputs'."""
     path = Path(path)
     present = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
     if not present:  # absent, empty, or only the lock file (this run's, or one a finished run left)
         return False
-    if not overwrite and restartable(path):
-        return True
     if overwrite:
         if not is_run_dir(path):
             listing = ", ".join(present[:6]) + (f" and {len(present) - 6} more" if len(present) > 6 else "")
@@ -224,19 +223,69 @@ def check_fresh_run_dir(path, overwrite: bool) -> bool:
                                   f"neither {LOCK_FILE} nor a checkpoint); imagerl deletes only what its own runs "
                                   "wrote: choose another --output-dir")
         return True
+    if restartable(path, config):
+        return True
     ours = _outputs(path)
     held = ", ".join(p.name for p in ours[:4]) or ", ".join(present[:4])
-    raise FileExistsError(f"{path} already holds a run ({held}); continue it with `imagerl train --resume "
-                          f"{shlex.quote(str(path))}`, start over with --overwrite (deletes its checkpoints, "
-                          f"metrics, images and plots), or choose another --output-dir")
+    raise FileExistsError(f"{path} already holds a run ({held}); continue it with `{continue_command(path)}`, start "
+                          f"over with --overwrite (deletes its checkpoints, metrics, images and plots), or choose "
+                          f"another --output-dir")
 
 
-def restartable(path) -> bool:
-    """An imagerl run directory (its lock file is there) without any checkpoint, complete or being swapped in:
-    a start that stopped before its first checkpoint, which `--resume` cannot continue."""
+def continue_command(run_dir) -> str:
+    """The command that continues the run in run_dir from its last checkpoint, from any directory (the path made
+    absolute: a relative one, a folder named `latest` or starting with `-` would be read otherwise)."""
+    where = shlex.quote(str(Path(run_dir).absolute()))
+    if (Path(run_dir) / "sft_config.yaml").is_file():
+        command = f"imagerl sft --output-dir {where} --resume latest"
+    else:
+        command = f"imagerl train --resume {where}"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # started by torchrun: the same launcher (and its other flags, as before)
+        command = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', world)} -m {command}"
+    return command
+
+
+def restartable(path, config: dict | None) -> bool:
+    """Whether `path` holds this same run (its config.yaml equals `config`, settings left to the family aside),
+    started by imagerl train (the lock file; no sft_config.yaml) and stopped before any checkpoint was due: none on
+    disk, complete or being swapped in, and metrics.jsonl's last rollout below the first one due (run.checkpoint_every
+    or the last rollout). Another config aimed at the directory, or a finished run whose checkpoints were deleted,
+    is not: those are refused as before."""
+    import yaml
+
     path, checkpoints = Path(path), Path(path) / "checkpoints"
-    has_checkpoint = checkpoints.is_dir() and any(CHECKPOINT_NAME.fullmatch(p.name) for p in checkpoints.iterdir())
-    return (path / LOCK_FILE).is_file() and not has_checkpoint
+    if config is None or not (path / LOCK_FILE).is_file() or (path / "sft_config.yaml").exists():
+        return False
+    if checkpoints.is_dir() and any(CHECKPOINT_NAME.fullmatch(p.name) for p in checkpoints.iterdir()):
+        return False
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text())
+        metrics = path / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        done = max((int(json.loads(line)["step"]) for line in lines if line.strip()), default=0)
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return False
+    new = yaml.safe_load(yaml.safe_dump(config, sort_keys=False))  # the types config.yaml holds
+    if not isinstance(saved, dict) or not _same_settings(saved, new):
+        return False
+    # the first checkpoint is written after rollout first_due is logged: a run that logged it and has none failed
+    # or was stopped while writing it, or lost it later (deleted), and is left to --overwrite
+    first_due = min(new["run"]["checkpoint_every"] or new["train"]["num_rollouts"], new["train"]["num_rollouts"])
+    return done < first_due
+
+
+def _same_settings(saved: dict, new: dict) -> bool:
+    """saved == new, except where new leaves a setting to the family (None: train fills it before saving)."""
+    if saved.keys() != new.keys():
+        return False
+    for key, value in new.items():
+        if isinstance(value, dict):
+            if not isinstance(saved[key], dict) or not _same_settings(saved[key], value):
+                return False
+        elif value is not None and saved[key] != value:
+            return False
+    return True
 
 
 def clear_run_outputs(path) -> None:

@@ -240,7 +240,8 @@ class MetricsLogger:
 def _after_failure(run_dir: Path, e: OSError) -> str:
     import errno
 
-    from imagerl.run.checkpoint import after_disk_full, continue_command, latest_checkpoint
+    from imagerl.run.checkpoint import after_disk_full, latest_checkpoint
+    from imagerl.run.lock import continue_command
 
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         advice = after_disk_full(run_dir)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import time
 import typing
 from dataclasses import dataclass, field
@@ -248,7 +249,8 @@ def sft(cfg: SFTConfig, resume: str | None = None) -> SFTRun:
     check_run_files(run_dir)  # a symbolic link among the run's files: refused before anything is written
     if not resume and any(CHECKPOINT_NAME.fullmatch(p.name) for p in (run_dir / "checkpoints").glob("step_*")):
         # before the lock, as every refusal: a refused run leaves the directory as it was
-        raise ValueError(f"{run_dir} already holds checkpoints: continue with --resume latest or pick another --output-dir")
+        raise ValueError(f"{run_dir} already holds checkpoints: continue with `imagerl sft --output-dir "
+                         f"{shlex.quote(str(run_dir.absolute()))} --resume latest` or pick another --output-dir")
     with hold_run_dir(run_dir, World(0, 1, torch.device("cpu"))):  # one writer, as imagerl train (run_lock.py)
         return _sft(cfg, examples, run_dir, resume)
 

@@ -7,9 +7,10 @@ replacement from a numpy Generator seeded with `seed` (integers(0, P, size=(R, P
 97.5th percentile of the R resampled means (numpy's default linear interpolation between order statistics).
 
 GenEval's overall (the mean of category means) is resampled within strata (the stratified bootstrap, Davison &
-Hinkley 1997, "Bootstrap Methods and their Application"): prompts with the same categories are one stratum, each resample draws each stratum's count
-from its own prompts. A free resample can miss a category of one prompt entirely ((1 - 1/P)^P, about a third of the
-time), which drops it from that resample's overall and pushes the interval off the point estimate.
+Hinkley 1997, "Bootstrap Methods and their Application"): prompts with the same categories are one stratum, each
+resample draws each stratum's count from its own prompts (a one-prompt category then adds no variance). A free
+resample can miss a category of one prompt entirely ((1 - 1/P)^P, about a third of the time), which drops it from
+that resample's overall and pushes the interval off the point estimate.
 """
 
 from __future__ import annotations
