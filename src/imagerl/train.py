@@ -29,7 +29,7 @@ from imagerl.rewards import RewardError, Scorer
 from imagerl.rewards.registry import check_reward_config
 from imagerl.run.lock import hold_run_dir
 from imagerl.rewards.scoring import AsyncScorer, ScoredRollout
-from imagerl.run.lock import check_fresh_run_dir, check_run_files, clear_run_outputs, continue_command
+from imagerl.run.lock import LOCK_FILE, check_fresh_run_dir, check_run_files, clear_run_outputs, continue_command
 from imagerl.run.checkpoint import recover_interrupted
 from imagerl.validation import validate
 
@@ -95,7 +95,7 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
 
     if world.is_main and resume_from is None and (overwrite or restart):  # after every config error, before the
         if restart:                                                          # slow part
-            replaced = ", ".join(sorted(p.name for p in run_dir.iterdir() if p.name != ".imagerl.lock"))
+            replaced = ", ".join(sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE))
             print(f"{run_dir} holds this run, stopped before its first checkpoint: starting it again (replacing "
                   f"{replaced})")
         clear_run_outputs(run_dir)
