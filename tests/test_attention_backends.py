@@ -115,3 +115,61 @@ def test_flux_compiles_without_inductors_coalescing_analysis(tmp_path, monkeypat
     apply_parallelism(adapter, cfg, World(0, 1, torch.device("cpu")))
     assert inductor_config.triton.coalesce_tiling_analysis is False
     assert all(block._compiled_call_impl is not None for block in adapter.transformer_blocks())
+
+
+class DoubleBlock(torch.nn.Module):  # two block classes, as FLUX.1's double- and single-stream blocks
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=None):
+        q = self.proj(x)
+        out = F.scaled_dot_product_attention(q, q, q)
+        return out if scale is None else out * scale
+
+
+class SingleBlock(DoubleBlock):
+    def forward(self, x, scale=None):
+        return super().forward(x, scale) + x
+
+
+def test_each_block_class_compiles_into_its_own_cache():
+    """Compiled, the wrapper is each block's first traced frame, and Dynamo keeps graphs and counts recompiles per
+    code object: with one wrapper code for all classes, FLUX.1's two block classes shared one cache and took 7
+    entries of it in a warm-up (benchmarks/LOG.md run BC), each further class or situation adding more. Here two
+    classes, two blocks each, through the situations that recompiled there (grad mode, the input's requires_grad,
+    an absent argument) and the unreplayed forwards: each class's wrapper has its own code and cache, holding only
+    its own graphs, and blocks of one class share them."""
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from imagerl.families.layers.attention_backends import unreplayed_forwards
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = [DoubleBlock(), DoubleBlock(), SingleBlock(), SingleBlock()]
+    exclude_cudnn_attention(blocks, except_unreplayed=True)
+    for block in blocks:
+        block.compile(backend="eager", dynamic=True)  # as apply_parallelism, on Dynamo's graphs alone
+    x = torch.randn(1, 2, 5, 8)
+
+    def run(h, **kwargs):
+        for block in blocks:
+            h = block(h, **kwargs)
+        return h
+
+    with torch.no_grad():  # a rollout step
+        run(x)
+        run(x, scale=0.5)
+        with unreplayed_forwards():
+            run(x)
+    run(x.clone().requires_grad_()).sum().backward()  # the update
+    run(x)
+    codes = {type(block): block.forward.__code__ for block in blocks}
+    assert codes[DoubleBlock] is not codes[SingleBlock]
+    assert all(block.forward.__code__ is codes[type(block)] for block in blocks)  # one cache per class
+    entries = {cls.__name__: len(_debug_get_cache_entry_list(code)) for cls, code in codes.items()}
+    # no grad, no grad with scale, unreplayed, grad with a requires_grad input, and the first block alone: grad
+    # with a plain input (the next blocks get its output, which requires grad). One shared code held all 9.
+    assert entries == {"DoubleBlock": 5, "SingleBlock": 4}
+    torch._dynamo.reset()

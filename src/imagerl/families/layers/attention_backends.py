@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -48,25 +49,46 @@ def unreplayed_forwards():
         _UNREPLAYED = saved
 
 
+# one code object of the wrapper per block class (see _wrapper_for)
+_WRAPPER_CODE: dict[type, types.CodeType] = {}
+
+
+def _wrapper_for(block_class: type, wrapper):
+    """`wrapper` with a code object of its own for `block_class`. A compiled block's first traced frame is its
+    forward, here the wrapper, and Dynamo keeps its graphs and counts recompiles per code object: one wrapper
+    code for every block class held all classes' graphs in one cache, each guarded on the class of the block it
+    wrapped. FLUX.1's two block classes took 7 of that cache's entries in a compiled warm-up (benchmarks/LOG.md run
+    BC), each further class adding its own; with a code per class each class keeps its own graphs, as its own
+    forward did unwrapped."""
+    if block_class not in _WRAPPER_CODE:
+        # (a new code object; its name shows in TORCH_LOGS=recompiles)
+        _WRAPPER_CODE[block_class] = wrapper.__code__.replace(co_name=f"{wrapper.__name__}_{block_class.__name__}")
+    own = types.FunctionType(_WRAPPER_CODE[block_class], wrapper.__globals__, wrapper.__name__,
+                             wrapper.__defaults__, wrapper.__closure__)
+    own.__kwdefaults__ = wrapper.__kwdefaults__
+    return own
+
+
 def exclude_cudnn_attention(blocks: list[torch.nn.Module], except_unreplayed: bool = False) -> list[SDPBackend]:
     """Run each block's forward under sdpa_kernel(backends_without_cudnn()); once per block. Returns the
     backends used. except_unreplayed: not within unreplayed_forwards() (flux: only cuDNN's backward faulted, and
     its forward ran at 1.9x flash's rate at FLUX.1-dev's shapes, LOG.md run AY). Only there: a forward that a
     replay repeats (a rollout's window step, eager under no grad, and the update's forward under grad) must pick
-    the same kernel both times, or the log-probs differ (run AY: 2.7e-6 when no-grad forwards used cuDNN)."""
+    the same kernel both times, or the log-probs differ (run AY: 2.7e-6 when no-grad forwards used cuDNN).
+    The wrapper's code is one per block class (_wrapper_for): compiled, each class's graphs and recompiles are its
+    own, as without the wrapper."""
     backends = backends_without_cudnn()
     for block in blocks:
         if getattr(block, "_imagerl_sdpa_backends", None) is not None:
             continue
         forward = block.forward
 
-        @functools.wraps(forward)
         def forward_without_cudnn(*args, _forward=forward, **kwargs):
             if except_unreplayed and _UNREPLAYED:
                 return _forward(*args, **kwargs)
             with sdpa_kernel(backends):
                 return _forward(*args, **kwargs)
 
-        block.forward = forward_without_cudnn
+        block.forward = functools.wraps(forward)(_wrapper_for(type(block), forward_without_cudnn))
         block._imagerl_sdpa_backends = list(backends)
     return backends
