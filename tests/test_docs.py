@@ -6,12 +6,14 @@ dated log beside it (benchmarks/LOG.md)."""
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-README_MAX_LINES = 365  # issue 50: the README is a guide; reference material lives in docs/ (issue 52: + its evidence)
+README_MAX_LINES = 373  # issue 50: the README is a guide; reference material lives in docs/ (issue 52: + its evidence;
+# issue 53: + the three ways to bring a reward)
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 LOG = ROOT / "benchmarks" / "LOG.md"
 RESULTS_MAX_LINES = 200  # issue 50: one row per recipe and family; the dated runs are in LOG.md
@@ -108,7 +110,12 @@ def test_readme_reward_example_runs():
     try:
         namespace = {}
         exec(compile(code, "README.md (my_rewards.py)", "exec"), namespace)
-        reward = REWARDS[name](None, "cpu")
+        from imagerl.config import RewardConfig
+
+        REWARDS[name].check_config(RewardConfig(options={name: {"scale": 1.0}}))
+        with pytest.raises(ValueError, match="unknown"):
+            REWARDS[name].check_config(RewardConfig(options={name: {"scael": 1.0}}))
+        reward = REWARDS[name](RewardConfig(), "cpu")
         images = torch.zeros(2, 3, 8, 8)
         images[0, 0] = 1.0  # the first image pure red, the second black
         values = torch.as_tensor(reward(images, ["a", "b"], [{}, {}]))

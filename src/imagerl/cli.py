@@ -1,5 +1,5 @@
-"""imagerl command line: train | sample | eval | sft | make-tiny-checkpoint | make-synthetic-data | recipes | report |
-convert-checkpoint."""
+"""imagerl command line: train | sample | eval | sft | reward-server | make-tiny-checkpoint | make-synthetic-data |
+recipes | report | convert-checkpoint."""
 
 from __future__ import annotations
 
@@ -165,6 +165,9 @@ def _note_busy_cpus(device: str) -> None:
 
 def _eval(args) -> int:
     _note_busy_cpus(args.device)
+    if args.reward:  # `--reward NAME reward.key=value`: --reward takes several names, and would take the setting too
+        args.overrides += [item for item in args.reward if "=" in item]
+        args.reward = [item for item in args.reward if "=" not in item] or None
     if args.suite:
         from imagerl.evaluation.suites.run import cli_suite
 
@@ -189,6 +192,28 @@ def _build_quickstart_model(args) -> int:
     build_quickstart_model(args.directory, args.work_dir, num_images=args.num_images, seed=args.seed,
                            vae_steps=args.vae_steps, sft_steps=args.sft_steps, sft_batch=args.sft_batch,
                            device=args.device)
+    return 0
+
+
+def _reward_server(args) -> int:
+    from imagerl.config import Config
+    from imagerl.evaluation.held_out import apply_reward_overrides
+    from imagerl.rewards.registry import check_reward_config
+    from imagerl.rewards.remote import read_token
+    from imagerl.rewards.server import serve
+
+    cfg = Config(recipe="reward-server")
+    apply_reward_overrides(cfg, args.overrides)  # reward.plugins, reward.options.NAME, model paths, batch size
+    cfg.reward.weights = dict.fromkeys(args.reward, 1.0)
+    check_reward_config(cfg.reward)
+    token = read_token(args.token_file, "--token-file")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not token:
+        print(f"imagerl: warning: --host {args.host} serves anyone who can reach this machine; --token-file "
+              "limits it to clients that hold the token", file=sys.stderr)
+    if not args.max_body_mb > 0:
+        raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    serve(cfg.reward, args.reward, host=args.host, port=args.port, device=args.device, token=token,
+          max_body_mb=args.max_body_mb)
     return 0
 
 
@@ -356,6 +381,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "defaults): first print torch.profiler's GPU time by operator for one forward and one training step")
     p.add_argument("--dry-run", action="store_true", help="1-layer models at 64 px on the CPU: checks the code path")
     p.set_defaults(fn=_bench)
+    p = sub.add_parser("reward-server", help="serve rewards over HTTP (a reward on a GPU or node of its own); runs use "
+                       "it with reward.remote={NAME: URL}",
+                       description="Serves registered rewards (imagerl's, reward.plugins, entry points) over HTTP; the "
+                       "format, for servers in any language: docs/rewards.md. Stop it with Ctrl-C.")
+    p.add_argument("--reward", action="append", required=True, metavar="NAME", help="a reward to serve (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 for other nodes, with --token-file)")
+    p.add_argument("--port", type=int, default=8765, help="default 8765; 0: a free port (printed)")
+    p.add_argument("--device", default="auto", help="where the reward models run, e.g. cuda:4 (default: cuda if "
+                   "available, else cpu)")
+    p.add_argument("--token-file", default="", help="a file holding a shared token; clients then need "
+                   "reward.remote_token_file")
+    p.add_argument("--max-body-mb", type=float, default=256.0, help="refuse larger requests (default 256 MiB; 32 "
+                   "images of 1024x1024 in uint8 are 96 MiB)")
+    p.add_argument("overrides", nargs="*", help="reward settings, e.g. reward.plugins=[./my_rewards.py] "
+                   "reward.options.redness.scale=2 reward.pickscore_model=/models/PickScore_v1 reward.batch_size=16")
+    p.set_defaults(fn=_reward_server)
     p = sub.add_parser("recipes", help="list bundled recipes")
     p.set_defaults(fn=_recipes)
     p = sub.add_parser("report", help="summary table of a run; writes plots/reward.png and plots/phases.png")

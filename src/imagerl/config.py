@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -301,6 +302,27 @@ class RewardConfig:
     """Local CLIP ViT-L/14 (openai/clip-vit-large-patch14) for aesthetic and clipscore."""
     aesthetic_head: str = ""
     """LAION improved-aesthetic MLP weights (sac+logos+ava1-l14-linearMSE.pth or .safetensors)."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules that register rewards, imported before the reward names are checked: an importable module
+    (my_pkg.rewards) or a .py file (./my_rewards.py, made absolute when the config is read). Installed packages can
+    also register through the entry-point group imagerl.rewards."""
+    options: dict[str, dict[str, typing.Any]] = field(default_factory=dict)
+    """Reward name -> that reward's own settings ({threshold: 0.5}), read as cfg.options[name] and checked by the
+    reward's check_config."""
+    remote: dict[str, str] = field(default_factory=dict)
+    """Reward name -> URL of an `imagerl reward-server` that serves it (http://127.0.0.1:8765)."""
+    remote_encoding: str = "uint8"
+    """How images travel to a reward server: "uint8" (round(x * 255), what the CLIP, OCR and JPEG rewards compute
+    from anyway), "png" (the same pixels, compressed) or "float32" (exact, for rewards that read float pixels)."""
+    remote_timeout_s: float = 300.0
+    """Seconds to wait for one answer of a reward server."""
+    remote_retries: int = 3
+    """Tries after the first when a reward server is unreachable, times out or is busy (HTTP 502/503/504), waiting
+    1, 2, 4, ... s (capped at 30 s) between them."""
+    remote_max_in_flight: int = 2
+    """Requests of reward.batch_size images one process keeps open at once, per reward server."""
+    remote_token_file: str = ""
+    """A file holding the token the reward server was started with (--token-file)."""
 
 
 @dataclass
@@ -428,6 +450,8 @@ def _check_type(key: str, value, hint):
         if value is None:
             return None
         raise ValueError(f"{key}: expected null, got {_short(value)}")
+    if hint is typing.Any:
+        return value
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
@@ -483,10 +507,33 @@ def _set(cfg: Config, dotted: str, value) -> None:
                 return
             obj = getattr(obj, name)
             continue
+        if depth != len(parts) - 1 and typing.get_origin(hints[name]) is dict:  # reward.options.NAME.KEY=...
+            _set_in_mapping(getattr(obj, name), parts[depth + 1:], value, hints[name], dotted)
+            return
         if depth != len(parts) - 1:
             raise ValueError(f"config key {dotted!r}: {'.'.join(parts[:depth + 1])} is not a section")
         setattr(obj, name, _check_type(dotted, value, hints[name]))
         return
+
+
+def _set_in_mapping(mapping: dict, keys: list[str], value, hint, dotted: str) -> None:
+    """One entry of a mapping setting, e.g. reward.weights.shapes=2 or reward.options.redness.scale=2: the other
+    entries stay; the value is checked against the mapping's value type."""
+    _, value_type = typing.get_args(hint)
+    if len(keys) == 1:
+        mapping[keys[0]] = _check_type(dotted, value, value_type)
+        return
+    inner = mapping.setdefault(keys[0], {})
+    if not isinstance(inner, dict) or (value_type is not typing.Any and typing.get_origin(value_type) is not dict):
+        raise ValueError(f"config key {dotted!r}: {dotted.rsplit('.', len(keys) - 1)[0]} is not a mapping")
+    if value_type is typing.Any:  # free-form settings (reward.options.NAME): nested plain mappings
+        for key in keys[1:-1]:
+            inner = inner.setdefault(key, {})
+            if not isinstance(inner, dict):
+                raise ValueError(f"config key {dotted!r}: {key} is not a mapping")
+        inner[keys[-1]] = value
+        return
+    _set_in_mapping(inner, keys[1:], value, value_type, dotted)
 
 
 def recipe_dir() -> Path:
@@ -529,7 +576,17 @@ def config_from_dict(data: dict, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError as e:
             raise ValueError(f"override {item!r}: cannot parse value: {e}") from e
         _set(cfg, key.strip(), value)
+    cfg.reward.plugins = [absolute_plugin_path(p) for p in cfg.reward.plugins]
     return cfg
+
+
+def absolute_plugin_path(plugin: str) -> str:
+    """A reward.plugins entry that names a file (ends in .py or holds a path separator), made absolute against the
+    current folder, so that a resume or an evaluation from another folder imports the same file; a module name as
+    given."""
+    if plugin.endswith(".py") or "/" in plugin or os.sep in plugin:
+        return str(Path(plugin).expanduser().absolute())
+    return plugin
 
 
 # A config is a few hundred values; YAML aliases (&a / *a) can make a few hundred bytes stand for billions (each

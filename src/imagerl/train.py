@@ -350,14 +350,23 @@ def _component_means(rewards, world) -> dict[str, float]:
     return out
 
 
+def _which(scored: ScoredRollout, bad: list[int], cfg: Config) -> str:
+    """' (from shapes, served by http://...)': the components that were not finite for those samples."""
+    if cfg.data.mixture:  # there a component is NaN wherever its set does not use it: no telling
+        return ""
+    names = [name for name, values in scored.rewards.components.items() if not torch.isfinite(values[bad]).all()]
+    where = [f"{n}, served by {cfg.reward.remote[n]}" if n in cfg.reward.remote else n for n in names]
+    return f" (from {'; '.join(where)})" if where else ""
+
+
 def _check_rewards(scored: ScoredRollout, failed_count: int, cfg: Config, run_dir: Path, step: int, save) -> None:
     """Stop on a failed or non-finite reward (any rank: failed_count is global, so all ranks stop together)
     unless reward.on_error=skip; the state before this rollout is saved so nothing is lost."""
     if cfg.reward.on_error == "skip" or not failed_count:
         return
     bad = (~scored.rewards.valid_B).nonzero().flatten().tolist()
-    reason = "; ".join(scored.errors) or (f"rewards are NaN/inf for samples {bad[:8]}" if bad else
-                                          f"{failed_count} rewards failed on other ranks")
+    reason = "; ".join(scored.errors) or (f"rewards are NaN/inf for samples {bad[:8]}{_which(scored, bad, cfg)}"
+                                          if bad else f"{failed_count} rewards failed on other ranks")
     advice = "Fix the reward, then run the same command again (no checkpoint exists yet)"
     if step > 0:  # every rank gets here: failed_count is global
         path = save(step, cfg.run.keep_checkpoints + 1)

@@ -104,7 +104,7 @@ def validate(cfg: Config, world_size: int = 1) -> BatchPlan:
     if cfg.eval.suites:
         from imagerl.evaluation.suites.run import check_suite_names
 
-        check_suite_names(cfg.eval.suites)
+        check_suite_names(cfg.eval.suites, cfg.reward)
         if cfg.eval.interval <= 0 and not cfg.eval.before_training:
             raise ValueError("eval.suites run at evaluations: set eval.interval (and data.test_prompts) or "
                              "eval.before_training=true")

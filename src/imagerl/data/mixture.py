@@ -63,7 +63,7 @@ def check_mixture(cfg) -> None:
         if not s.rewards:
             raise ValueError(f"{where} ({s.name}): rewards is empty; e.g. rewards: {{ocr: 1.0}}")
         try:
-            check_reward_names(s.rewards)
+            check_reward_names(s.rewards, cfg.reward)
         except ValueError as e:
             raise ValueError(f"{where} ({s.name}).rewards: {e}") from None
     counts = set_counts([s.share for s in sets], cfg.sample.prompts_per_rollout)

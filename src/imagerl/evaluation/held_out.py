@@ -350,17 +350,18 @@ def cli_evaluate(args) -> EvalResult:
     path = resolve_model_path(args.model, world)
     defaults = model_defaults(path)  # for the settings not given as flags (all None: the family's)
     cfg = Config(recipe="eval")
+    apply_reward_overrides(cfg, args.overrides)
+    check_reward_names({}, cfg.reward)  # imports reward.plugins and entry points: their failures named as such
     if args.reward is None and defaults.rewards:
         try:
-            check_reward_names(dict.fromkeys(defaults.rewards, 1.0))
+            check_reward_names(dict.fromkeys(defaults.rewards, 1.0), cfg.reward)
         except ValueError as e:
             raise ValueError(f"{defaults.source}: 'rewards': {e}") from None
     cfg.reward.weights = {name: 1.0 for name in (args.reward or defaults.rewards or ["jpeg_compressibility"])}
     cfg.reward.on_error = args.on_error
-    apply_reward_overrides(cfg, args.overrides)
     check_reward_config(cfg.reward)  # names and reward-model paths, before anything slow
     test_set = load_prompt_set(resolve_prompt_file(args.prompts), key="--prompts")
-    validate_prompts(cfg.reward.weights, test_set.prompts, test_set.metadata)
+    validate_prompts(cfg.reward.weights, test_set.prompts, test_set.metadata, cfg.reward)
 
     lora = check_lora_dir(Path(args.lora)) if args.lora else None  # read and checked before the model loads
     family = family_class(path, args.family or "auto")
@@ -372,6 +373,8 @@ def cli_evaluate(args) -> EvalResult:
         load_lora(adapter, lora)
     cfg.eval.seed, cfg.eval.batch_size, cfg.eval.max_prompts = args.seed, args.batch_size, args.max_prompts
     scorer = Scorer(cfg.reward, world.device)
+    if cfg.reward.remote:  # their servers check the prompts
+        scorer.validate_prompts(test_set.prompts, test_set.metadata)
     if world.is_main:
         s = eval_settings(cfg, adapter, test_set)
         print(f"eval: {s.num_prompts} prompts, {s.height}x{s.width} px, {s.num_steps} steps, guidance "

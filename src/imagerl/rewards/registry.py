@@ -7,12 +7,13 @@ scorer calls it on chunks of at most reward.batch_size images. Optional hooks, b
 that they run before any model is loaded:
 
 * `check_config(cfg)`: raise ValueError for a setting the reward cannot work with (e.g. a missing
-  weights directory);
+  weights directory, or a bad value among its own settings, cfg.options[name]);
 * `validate_prompts(prompts, metadata)`: raise ValueError naming the first prompt it cannot score
   (e.g. an OCR prompt without a quoted target), so that a bad prompt file fails when it is loaded
   instead of giving zeros in the middle of a run.
 
-The scorer never turns a failure into a number: an exception becomes a RewardError naming the reward,
+Rewards come from imagerl, from reward.plugins and installed entry points (imagerl.rewards.plugins), or from a
+reward server (reward.remote: imagerl.rewards.remote). The scorer never turns a failure into a number: an exception becomes a RewardError naming the reward,
 and a NaN/inf value makes the sample invalid (valid_B False); reward.on_error decides what happens next.
 """
 
@@ -24,6 +25,7 @@ from typing import Callable
 import torch
 
 from imagerl.config import RewardConfig
+from imagerl.rewards.plugins import load_entry_points, load_plugins
 
 MIXTURE_KEY = "mixture_set"  # data.mixture: the metadata key naming an image's prompt set
 
@@ -36,35 +38,60 @@ class RewardError(RuntimeError):
 
 def register_reward(name: str):
     def deco(cls):
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is registered twice")
+        if name in REWARDS and REWARDS[name] is not cls:
+            old = REWARDS[name]
+            raise ValueError(f"reward {name!r} is registered twice: by {old.__module__}.{old.__qualname__} and by "
+                             f"{cls.__module__}.{cls.__qualname__}; rename one")
         REWARDS[name] = cls
         return cls
 
     return deco
 
 
-def check_reward_names(weights: dict[str, float]) -> None:
+def check_reward_names(weights, cfg: RewardConfig | None = None) -> None:
+    """ValueError for a name that is neither registered nor served (cfg.remote); cfg's plugins are imported first."""
     _import_builtin()
-    unknown = [n for n in weights if n not in REWARDS]
+    if cfg is not None:
+        load_plugins(cfg.plugins)
+    remote = cfg.remote if cfg is not None else {}
+    unknown = [n for n in weights if n not in REWARDS and n not in remote]
     if unknown:
-        raise ValueError(f"unknown reward(s) {unknown} in reward.weights; available: {', '.join(sorted(REWARDS))}")
+        hint = "" if cfg is None or cfg.plugins else (" (a reward of your own: name the module that registers it in "
+                                                      "reward.plugins, or serve it: reward.remote)")
+        raise ValueError(f"unknown reward(s) {unknown} in reward.weights; available: {', '.join(sorted(REWARDS))}"
+                         f"{hint}")
 
 
 def check_reward_config(cfg: RewardConfig) -> None:
-    """Names, then each weighted reward's own settings (paths, ...), without loading any model."""
-    check_reward_names(cfg.weights)
+    """Plugins, names, reward.options, then each weighted local reward's own settings (paths, options, ...), without
+    loading any model. A served reward (reward.remote) is checked by its server when the Scorer connects."""
+    from imagerl.rewards.remote import check_remote_config
+
+    check_reward_names(cfg.weights, cfg)
+    check_remote_config(cfg)
+    for name, options in cfg.options.items():
+        if name in cfg.remote:
+            raise ValueError(f"reward.options.{name}: {name} is served by {cfg.remote[name]}; give its options to the "
+                             f"server (imagerl reward-server --reward {name} reward.options.{name}.KEY=VALUE)")
+        if name not in REWARDS:
+            raise ValueError(f"reward.options.{name}: no reward {name!r} is registered (available: "
+                             f"{', '.join(sorted(REWARDS))})")
+        if not isinstance(options, dict):
+            raise ValueError(f"reward.options.{name} must be a mapping of settings, got {options!r}")
     for name in cfg.weights:
-        check = getattr(REWARDS[name], "check_config", None)
-        if check is not None:
+        check = getattr(REWARDS.get(name), "check_config", None)
+        if check is not None and name not in cfg.remote:
             check(cfg)
 
 
-def validate_prompts(names, prompts: list[str], metadata: list[dict] | None = None) -> None:
-    """Run the `validate_prompts` hook of each named reward (class-level, no model loaded)."""
-    check_reward_names({n: 1.0 for n in names})
+def validate_prompts(names, prompts: list[str], metadata: list[dict] | None = None,
+                     cfg: RewardConfig | None = None) -> None:
+    """Run the `validate_prompts` hook of each named local reward (class-level, no model loaded); a served reward's
+    server checks the prompts when the Scorer connects (Scorer.validate_prompts)."""
+    check_reward_names({n: 1.0 for n in names}, cfg)
     for name in names:
-        _validate_with(name, REWARDS[name], prompts, metadata)
+        if cfg is None or name not in cfg.remote:
+            _validate_with(name, REWARDS[name], prompts, metadata)
 
 
 def _validate_with(name: str, reward, prompts: list[str], metadata: list[dict] | None) -> None:
@@ -83,6 +110,8 @@ def _import_builtin() -> None:
     from imagerl.rewards import aesthetic, clipscore, jpeg, ocr, pickscore  # noqa: F401
     from imagerl.rewards import shapes  # noqa: F401
 
+    load_entry_points()  # installed plugins (entry-point group imagerl.rewards)
+
 
 @dataclass
 class RewardBatch:
@@ -97,6 +126,15 @@ class RewardBatch:
 def reward_device(cfg: RewardConfig, device: torch.device | str) -> torch.device:
     """reward.device, or the given (policy) device when it is "auto"."""
     return torch.device(device) if cfg.device == "auto" else torch.device(cfg.device)
+
+
+def _build(name: str, cfg: RewardConfig, device: torch.device):
+    """The reward's model: its registered class, or a client of the server that serves it (reward.remote)."""
+    if name in cfg.remote:
+        from imagerl.rewards.remote import RemoteReward
+
+        return RemoteReward(name, cfg.remote[name], cfg)
+    return REWARDS[name](cfg, device)
 
 
 class Scorer:
@@ -120,7 +158,7 @@ class Scorer:
         missing = {r for w in self.set_weights.values() for r in w} - set(self.weights)
         if missing:
             raise ValueError(f"reward.weights lacks the mixture's rewards {sorted(missing)}")
-        self.models = {name: REWARDS[name](cfg, self.device) for name in self.weights}
+        self.models = {name: _build(name, cfg, self.device) for name in self.weights}
 
     def _weights_of(self, metadata: list[dict] | None, n: int) -> list[dict[str, float]]:
         """Each image's reward weights: its set's (data.mixture), else reward.weights."""
@@ -150,8 +188,9 @@ class Scorer:
             images = images_B3HW if whole else images_B3HW[idx]
             texts, records = (prompts, metadata) if whole else ([prompts[i] for i in idx], [metadata[i] for i in idx])
             parts = []
-            for lo in range(0, len(idx), step):
-                hi = min(lo + step, len(idx))
+            chunk = max(len(idx), 1) if getattr(model, "scores_whole_batch", False) else step  # a server: its own
+            for lo in range(0, len(idx), chunk):
+                hi = min(lo + chunk, len(idx))
                 try:
                     values = model(images[lo:hi], texts[lo:hi], records[lo:hi])
                     values = torch.as_tensor(values, dtype=torch.float64).detach().cpu().reshape(-1)

@@ -68,7 +68,9 @@ def build_suite(name: str, prompts: str | PromptSet | None = None, reward_cfg=No
         from imagerl.config import RewardConfig
         from imagerl.rewards.registry import Scorer
 
-        cfg = dataclasses.replace(reward_cfg or RewardConfig(), weights={reward: 1.0})
+        base = reward_cfg or RewardConfig()
+        cfg = dataclasses.replace(base, weights={reward: 1.0},  # a served reward stays served
+                                  remote={k: v for k, v in base.remote.items() if k == reward})
         scorer = Scorer(cfg, device or torch.device("cpu"))  # checks the name and the reward's settings first
         prompt_set = _prompts(prompts)
         scorer.validate_prompts(prompt_set.prompts, prompt_set.metadata)

@@ -201,13 +201,13 @@ def _write_results(suite: Suite, labels, loras, scores_MPC, seconds, settings, n
     return record
 
 
-def check_suite_names(names: list[str]) -> None:
+def check_suite_names(names: list[str], reward_cfg=None) -> None:
     """ValueError for an unknown suite name in eval.suites (before any model loads)."""
     from imagerl.rewards.registry import check_reward_names
 
     for name in names:
         if name.startswith("reward:"):
-            check_reward_names({name.partition(":")[2]: 1.0})
+            check_reward_names({name.partition(":")[2]: 1.0}, reward_cfg)
         elif name not in ("shapes", "ocr", "geneval"):
             raise ValueError(f"eval.suites: unknown suite {name!r}; the suites: shapes, ocr, geneval, reward:NAME")
 
