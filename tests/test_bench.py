@@ -251,3 +251,36 @@ def test_the_profile_counts_each_gpu_kernel_once():
     averages = [event("## Call CompiledFxGraph fabc ##", us=300.0), event("triton_poi_fused_add_0"),
                 event("nvjet_sm90_tst_192x192"), event("aten::mm", DeviceType.CPU), event("idle kernel", us=0.0)]
     assert [e.key for e in device_kernels(averages)] == ["triton_poi_fused_add_0", "nvjet_sm90_tst_192x192"]
+
+
+def test_the_profile_counts_only_scalar_reads_of_cuda_tensors_as_host_syncs():
+    """A scalar read (aten::item) waits for the GPU only on a CUDA tensor: the copy to the host and the
+    cudaStreamSynchronize under it. The compiled FLUX.1 forward's 709 aten::item read CPU scalars (no CUDA sync was
+    reported there, benchmarks/LOG.md run BC), which the profile counted as host syncs."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from imagerl.perf.profile import host_syncs
+
+    events = []
+
+    def event(name, *children, device_type=DeviceType.CPU, kernels=()):
+        e = SimpleNamespace(name=name, device_type=device_type, cpu_children=list(children), cpu_parent=None,
+                            kernels=list(kernels))
+        for child in children:
+            child.cpu_parent = e
+        events.append(e)
+        return e
+
+    event("aten::item", event("aten::_local_scalar_dense", event("cudaMemcpyAsync"), event("cudaStreamSynchronize"),
+                              kernels=["Memcpy DtoH (Device -> Pageable)"]))  # a CUDA tensor's
+    for _ in range(3):  # CPU scalars'
+        event("aten::item", event("aten::_local_scalar_dense"))
+    event("aten::_local_scalar_dense")
+    event("aten::copy_", event("cudaMemcpyAsync", kernels=["Memcpy HtoD"]))  # an asynchronous copy: no sync
+    event("cudaDeviceSynchronize")
+    event("cudaStreamSynchronize_ptsz")
+    event("Memcpy DtoH (Device -> Pageable)", device_type=DeviceType.CUDA)
+    assert host_syncs(events) == ({"aten::item (CUDA tensor)": 1, "cudaDeviceSynchronize": 1,
+                                   "cudaStreamSynchronize_ptsz": 1}, 4)

@@ -4,9 +4,9 @@
 Per phase it reports the wall time, the kernels' busy time and the GPU's idle share, the model FLOPs of the step
 over the wall time (its MFU where the bench's ceiling is known) and over the matmul kernels' time, the kernel time
 by kind, the attention kernels by name (which SDPA backend ran), the host syncs (CPU-side synchronising CUDA calls
-and scalar reads) and the graphs Dynamo compiled while the step ran (a recompile in the steady state shows here).
-With sample.merge_lora a third phase profiles the rollout's off-window forward as the rollout runs it: on the
-merged (sample.off_window_fp8: e4m3) weights, under no grad."""
+and scalar reads of CUDA tensors; reads of CPU scalars apart) and the graphs Dynamo compiled while the step ran (a
+recompile in the steady state shows here). With sample.merge_lora a third phase profiles the rollout's off-window
+forward as the rollout runs it: on the merged (sample.off_window_fp8: e4m3) weights, under no grad."""
 
 from __future__ import annotations
 
@@ -27,9 +27,12 @@ from imagerl.config import training_batch_size
 KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention")),
                 ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "addmm", "aten::mm", "aten::bmm", "matmul")),
                 ("fused (Triton)", ("triton",)), ("copy / cast", ("copy",)))
-# CPU-side calls that wait for the device (a host sync): explicit synchronisations, blocking copies, scalar reads
-SYNC_MARKS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
-              "aten::item")
+# CUDA runtime calls that block the host until the device is done: the synchronisations and the synchronous copy
+# (CUPTI's names; a per-thread default stream's variant carries a suffix, "cudaStreamSynchronize_ptsz")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# scalar reads: of a CUDA tensor a copy to the host and a cudaStreamSynchronize (a host sync); of a CPU tensor no
+# device work at all (a compiled block's 709 aten::item per forward were these, benchmarks/LOG.md run BC)
+SCALAR_READS = ("aten::item", "aten::_local_scalar_dense")
 
 
 def kernel_kind(name: str) -> str:
@@ -44,6 +47,48 @@ def device_kernels(averages) -> list:
     (benchmarks/LOG.md run BA: "kernels 0.373 s" in a 0.274 s step, their time listed as elementwise)."""
     return [e for e in averages if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
             and not e.key.startswith("## ")]
+
+
+def _is_sync_call(name: str) -> bool:
+    return name.split("_")[0] in SYNC_CALLS  # not cudaMemcpyAsync: asynchronous
+
+
+def _reaches_device(event) -> bool:
+    """A CPU event with device work under it: a kernel or copy it launched, or a CUDA copy or sync call."""
+    return bool(event.kernels) or any(_is_sync_call(c.name) or c.name.startswith("cudaMemcpy") or _reaches_device(c)
+                                      for c in event.cpu_children)
+
+
+def _within_scalar_read(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in SCALAR_READS:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def host_syncs(events) -> tuple[dict[str, int], int]:
+    """The host syncs among a profile's events (prof.events(): each CPU event with its children and the kernels it
+    launched): {name: count}, and apart the scalar reads of CPU tensors, which wait for nothing. torch.profiler
+    records no input's device, so a scalar read (aten::item, aten::_local_scalar_dense) is a sync where the device
+    worked under it: the copy to the host, its cudaMemcpyAsync and cudaStreamSynchronize. Each counts once, as its
+    outermost read ("aten::item (CUDA tensor)"), not again as the sync call inside it; other synchronising calls by
+    name. A profile of the CPU alone holds no CUDA events: every scalar read there is a CPU one."""
+    syncs: dict[str, int] = {}
+    cpu_reads = 0
+    for event in events:
+        if event.device_type != DeviceType.CPU or _within_scalar_read(event):
+            continue
+        if event.name in SCALAR_READS:
+            if _reaches_device(event):
+                name = f"{event.name} (CUDA tensor)"
+                syncs[name] = syncs.get(name, 0) + 1
+            else:
+                cpu_reads += 1
+        elif _is_sync_call(event.name):
+            syncs[event.name] = syncs.get(event.name, 0) + 1
+    return syncs, cpu_reads
 
 
 def _dynamo_graphs() -> int:
@@ -203,13 +248,14 @@ def profile_step(bench, overrides: list[str], rows: int = 16, ceiling: float | N
         flops = _step_flops(bench, cfg, adapter, lengths, n, phase)
         mfu = f" = {flops / wall / ceiling:.1%} MFU" if ceiling else ""
         matmul_s = by_kind.get("matmul", 0.0)
-        syncs = {e.key: e.count for e in averages if e.device_type == DeviceType.CPU and any(m in e.key for m in SYNC_MARKS)}
+        syncs, cpu_reads = host_syncs(prof.events())
         report.append(f"{title} ({' '.join(overrides) or 'defaults'}; batch {n}): wall {wall:.3f} s, kernels "
                       f"{busy:.3f} s ({1 - busy / wall:.0%} idle); "
                       + ", ".join(f"{k} {v / max(busy, 1e-9):.0%}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
         report.append(f"  {flops / 1e12:.2f} TFLOP: {flops / wall / 1e12:.0f} TFLOP/s over the wall time{mfu}"
                       + (f"; the matmul kernels {matmul_s:.3f} s" if matmul_s else "")
                       + f"; host syncs {sum(syncs.values())} ({', '.join(f'{k} x{v}' for k, v in syncs.items()) or 'none'})"
+                      + (f", scalar reads of CPU tensors {cpu_reads} (no sync)" if cpu_reads else "")
                       + f"; Dynamo graphs compiled: {warm_graphs} in the warm-up, {steady_graphs} in the profiled step")
         if phase == "train":
             lora = [p for p in adapter.transformer.parameters() if p.requires_grad]
