@@ -203,3 +203,24 @@ def test_a_group_that_init_world_created_is_destroyed_at_exit(tmp_path):
     # a group left to the interpreter's teardown can abort a gloo rank (pytorch/pytorch#190489)
     spawn_and_join(_exit_rank_main, (2, _free_port(), tmp_path), 2, timeout_s=120)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["False", "False"]
+
+
+@pytest.mark.timeout(900)
+def test_every_rank_scores_through_one_reward_server_as_in_process(tiny_checkpoint, tmp_path):
+    """Two ranks against one real `imagerl reward-server`: each rank sends its own images (the rollout's samples are
+    split over the ranks), and the run's rewards, advantages and losses equal the same two ranks scoring in process
+    bit for bit (the JPEG reward rounds pixels to uint8 itself: the uint8 wire is exact for it)."""
+    from reward_server_util import ServerProcess
+
+    jpeg = ["reward.weights={jpeg_compressibility: 1.0}"]
+    server = ServerProcess("--reward", "jpeg_compressibility")
+    try:
+        _run(2, tiny_checkpoint, tmp_path / "remote", *jpeg, f"reward.remote={{jpeg_compressibility: {server.url}}}")
+    finally:
+        server.stop()
+    _run(2, tiny_checkpoint, tmp_path / "local", *jpeg)
+    local, remote = _records(tmp_path / "local"), _records(tmp_path / "remote")
+    assert [r["step"] for r in local] == [r["step"] for r in remote] == [1, 2]
+    for a, b in zip(local, remote):
+        for key in [*EQUAL_KEYS, "rollout/reward/jpeg_compressibility_mean", "train/loss", "train/grad_norm"]:
+            assert a[key] == b[key], key

@@ -239,3 +239,11 @@ def test_a_malformed_answer_or_a_wrong_count_is_one_line_naming_the_server(answe
         assert batch.valid_B.tolist() == [True, False, False, True]
     finally:
         foreign.shutdown()
+
+
+def test_a_port_in_use_is_one_line(server, capsys):
+    port = server.url.rsplit(":", 1)[1]
+    assert main(["reward-server", "--reward", "jpeg_compressibility", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"imagerl: error: cannot listen on 127.0.0.1:{port}: Address already in use; pick another "
+                          "--port (0: a free one)") and err.count("\n") == 1

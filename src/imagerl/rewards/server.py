@@ -154,7 +154,11 @@ def serve(cfg, names: list[str], host: str = "127.0.0.1", port: int = 8765, devi
         device = "cuda" if torch.cuda.is_available() else "cpu"
     service = RewardService(cfg, names, device)
     handler = make_handler(service, token, int(max_body_mb * 2**20), lambda line: print(line, file=sys.stderr))
-    server = ThreadingHTTPServer((host, port), handler)
+    try:
+        server = ThreadingHTTPServer((host, port), handler)
+    except OSError as e:  # a port in use, an address not of this machine
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port (0: a free one) or "
+                         "--host") from None
     server.daemon_threads = True
     if ready is not None:
         ready(server)
