@@ -213,9 +213,12 @@ def test_every_rank_scores_through_one_reward_server_as_in_process(tiny_checkpoi
     from reward_server_util import ServerProcess
 
     jpeg = ["reward.weights={jpeg_compressibility: 1.0}"]
+    from test_reward_server import images_scored
+
     server = ServerProcess("--reward", "jpeg_compressibility")
     try:
         _run(2, tiny_checkpoint, tmp_path / "remote", *jpeg, f"reward.remote={{jpeg_compressibility: {server.url}}}")
+        assert images_scored(server.url) == {"jpeg_compressibility": 2 * 8}  # both ranks' images, both rollouts
     finally:
         server.stop()
     _run(2, tiny_checkpoint, tmp_path / "local", *jpeg)

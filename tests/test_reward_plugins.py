@@ -169,3 +169,29 @@ def test_an_installed_entry_point_registers_its_reward_with_no_setting(tmp_path)
     assert errors[0] == ("imagerl: error: the reward plugin broken = broken_rewards (entry point group "
                                   "'imagerl.rewards' of broken-rewards 0.1) failed to import: RuntimeError: needs a "
                                   "GPU driver (broken_rewards.py, line 1); fix or uninstall broken-rewards")
+
+
+def test_mapping_settings_take_one_entry_and_hold_only_what_json_holds(tmp_path):
+    from imagerl.config import load_config
+
+    cfg = load_config("quickstart", ["reward.remote.shapes=http://127.0.0.1:9", "reward.weights.jpeg_compressibility=2",
+                                     "reward.options.redness={scale: 2}", "reward.options.redness.when='2024-01-01'",
+                                     f"reward.plugins=[{tmp_path}/sub/../mine.py]"])
+    assert cfg.reward.weights == {"shapes": 1.0, "jpeg_compressibility": 2.0}
+    assert cfg.reward.options == {"redness": {"scale": 2, "when": "2024-01-01"}}
+    assert cfg.reward.plugins == [str(tmp_path / "mine.py")]  # one file, one plugin, however it is written
+    cleared = load_config("quickstart", ["reward.remote.shapes=http://127.0.0.1:9", "reward.remote.shapes="])
+    assert cleared.reward.remote == {}  # `reward.remote.NAME=` removes a served reward: back in process
+    with pytest.raises(ValueError, match=r"reward\.options\.redness\.when: datetime\.date\(2024, 1, 1\) is a date; "
+                                         r"settings hold text, numbers"):
+        load_config("quickstart", ["reward.options.redness.when=2024-01-01"])  # YAML reads a date: JSON cannot
+
+
+def test_a_missing_import_inside_a_plugin_is_named_as_such(tmp_path, monkeypatch):
+    from imagerl.rewards.plugins import load_plugins
+
+    (tmp_path / "my_rewardsx.py").write_text("import my_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"reward\.plugins: my_rewardsx failed to import: ModuleNotFoundError: No "
+                                         r"module named 'my_missing_dependency' \(my_rewardsx\.py, line 1\)"):
+        load_plugins(["my_rewardsx"])

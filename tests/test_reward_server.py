@@ -25,8 +25,12 @@ from reward_server_util import SLEEPY_PLUGIN, ServerProcess
 QUICK = ["sample.prompts_per_rollout=4", "sample.group_size=4", "sample.batch_size=16", "train.num_rollouts=2",
          "run.checkpoint_every=1", "eval.before_training=false", "eval.interval=0", "eval.suites=[]",
          "data.test_prompts=", "run.image_grid_every=0", "run.tensorboard=false", "reward.batch_size=8"]
-# the shapes reward reads float pixels: float32 keeps them exact (uint8 would round them first)
-EXACT = ["reward.remote_encoding=float32"]
+
+
+def images_scored(url: str) -> dict:
+    """The server's count of images scored per reward (GET /v1/health): proof that requests reached it."""
+    with urllib.request.urlopen(url + "/v1/health", timeout=30) as answer:
+        return json.loads(answer.read())["images_scored"]
 
 
 @pytest.fixture(scope="module")
@@ -95,21 +99,32 @@ def test_scores_travel_exactly_and_a_bad_answer_is_named():
 
 
 @pytest.mark.parametrize("encoding, names", [("uint8", ["jpeg_compressibility"]), ("png", ["jpeg_compressibility"]),
-                                             ("float32", ["shapes", "jpeg_compressibility"])])
+                                             ("float32", ["shapes", "jpeg_compressibility"]),
+                                             ("auto", ["shapes", "jpeg_compressibility"])])
 def test_the_server_scores_bit_for_bit_what_the_in_process_reward_scores(server, encoding, names):
+    """The shapes reward reads float pixels: "auto" (the default) sends it float32, the JPEG reward uint8."""
     images = _images(12)
+    images[0, :, :8, :8] = torch.tensor([0.95, 0.05, 0.05]).view(3, 1, 1)  # a red patch the shapes reward sees
     prompts = ["a red circle and a blue square", "two green triangles", "a yellow circle"] * 4
     local = Scorer(RewardConfig(weights=dict.fromkeys(names, 1.0))).score(images, prompts, [{}] * 12)
-    remote = Scorer(_remote(server.url, names, remote_encoding=encoding, batch_size=5)).score(images, prompts, [{}] * 12)
+    before = images_scored(server.url)
+    remote_scorer = Scorer(_remote(server.url, names, remote_encoding=encoding, batch_size=5))
+    remote = remote_scorer.score(images, prompts, [{}] * 12)
     for name in names:
         assert torch.equal(local.components[name], remote.components[name]), name
+        assert images_scored(server.url)[name] == before[name] + 12  # the server scored them, in 3 requests
     assert torch.equal(local.total_B, remote.total_B)
+    if encoding == "auto":
+        assert {n: remote_scorer.models[n].encoding for n in names} == {"shapes": "float32",
+                                                                        "jpeg_compressibility": "uint8"}
 
 
 def test_a_quickstart_run_against_the_server_trains_exactly_as_in_process(server, tmp_path):
     assert main(["train", "--output-dir", str(tmp_path / "local"), *QUICK]) == 0
-    assert main(["train", "--output-dir", str(tmp_path / "remote"), *QUICK, *EXACT,
+    before = images_scored(server.url)["shapes"]
+    assert main(["train", "--output-dir", str(tmp_path / "remote"), *QUICK,
                  f"reward.remote={{shapes: {server.url}}}"]) == 0
+    assert images_scored(server.url)["shapes"] == before + 2 * 16  # every image of both rollouts went to the server
     runs = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
             for d in ("local", "remote")]
     assert [r["step"] for r in runs[0]] == [r["step"] for r in runs[1]] == [1, 2]
@@ -137,6 +152,31 @@ def test_a_server_killed_mid_run_stops_with_the_state_saved_and_names_it(tmp_pat
     assert (run / "checkpoints" / "step_000001").is_dir() and f"imagerl train --resume {run}" in line[0]
 
 
+def test_a_server_killed_mid_run_under_skip_moves_nothing_and_says_why(tmp_path, capsys):
+    """reward.on_error=skip: a rollout whose every reward failed takes no optimizer step (the weights stay as they
+    were) and prints one warning per rollout naming the server, each failure once."""
+    from safetensors.torch import load_file
+
+    victim = ServerProcess("--reward", "shapes")
+    run = tmp_path / "run"
+    threading.Thread(target=_kill_after_first_rollout, args=(victim, run / "metrics.jsonl"), daemon=True).start()
+    try:
+        code = main(["train", "--output-dir", str(run), *QUICK, "reward.on_error=skip", "reward.remote_retries=0",
+                     "reward.batch_size=4", f"reward.remote={{shapes: {victim.url}}}"])
+    finally:
+        victim.stop()
+    out = capsys.readouterr().out
+    assert code == 0
+    warning = [x for x in out.splitlines() if x.startswith("imagerl: warning: rollout 2")]
+    assert len(warning) == 1 and warning[0].startswith(
+        f"imagerl: warning: rollout 2: the rewards of 16 of 16 samples failed and are skipped: reward 'shapes' failed: "
+        f"RemoteRewardError: reward server {victim.url}: cannot be reached"), out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[1]["rollout/reward/failed_count"] == 16 and "train/loss" not in records[1]
+    lora = [load_file(run / "checkpoints" / f"step_00000{i}" / "lora" / "adapter_model.safetensors") for i in (1, 2)]
+    assert all(torch.equal(lora[0][k], lora[1][k]) for k in lora[0])  # no optimizer step: AdamW moved nothing
+
+
 def _kill_after_first_rollout(victim, metrics, timeout_s=300):
     import time
 
@@ -150,8 +190,8 @@ def _kill_after_first_rollout(victim, metrics, timeout_s=300):
 
 def test_a_slow_server_and_an_oversized_request_each_get_one_line(server):
     images = _images(4)
-    slow = Scorer(_remote(server.url, ["test_sleepy"], remote_timeout_s=0.5, remote_retries=0))
-    with pytest.raises(RewardError) as slow_error:
+    slow = Scorer(_remote(server.url, ["test_sleepy"], remote_timeout_s=0.5))
+    with pytest.raises(RewardError) as slow_error:  # not sent again: the server is still working on it
         slow.score(images, ["p"] * 4, [{}] * 4)
     assert str(slow_error.value) == (f"reward 'test_sleepy' failed: RemoteRewardError: reward server {server.url}: "
                                      "no answer within reward.remote_timeout_s=0.5 s")
@@ -176,19 +216,27 @@ def test_the_server_refuses_unknown_rewards_and_checks_prompts_at_connect(server
                                          "test_sleepy, not ocr"):
         Scorer(_remote(server.url, ["ocr"]))
     scorer = Scorer(_remote(server.url, ["shapes"]))
-    with pytest.raises(ValueError, match="HTTP 422: reward 'shapes' cannot score these prompts"):
+    with pytest.raises(ValueError, match="^reward 'shapes' cannot score these prompts: prompt 0: 'a photo of nothing"):
         scorer.validate_prompts(["a photo of nothing in particular"])
     with pytest.raises(ValueError, match="cannot be reached.*start it with `imagerl reward-server --reward shapes"):
         Scorer(_remote("http://127.0.0.1:9", ["shapes"], remote_retries=0))
 
 
 def test_a_token_is_required_when_the_server_has_one(tmp_path):
-    token = tmp_path / "token"
+    token, wrong, two_lines = tmp_path / "token", tmp_path / "wrong", tmp_path / "two_lines"
     token.write_text("s3cret\n")
+    wrong.write_text("guess")
+    two_lines.write_text("s3cret\nmore")
     guarded = ServerProcess("--reward", "jpeg_compressibility", "--token-file", str(token))
     try:
         with pytest.raises(ValueError, match="HTTP 401: missing or wrong token"):
             Scorer(_remote(guarded.url, ["jpeg_compressibility"], remote_retries=0))
+        with pytest.raises(ValueError, match="HTTP 401: missing or wrong token") as refused:
+            Scorer(_remote(guarded.url, ["jpeg_compressibility"], remote_token_file=str(wrong)))
+        assert "start it with" not in str(refused.value)  # it runs: only a connection failure says so
+        with pytest.raises(ValueError, match="must be one line without spaces") as bad_file:
+            Scorer(_remote(guarded.url, ["jpeg_compressibility"], remote_token_file=str(two_lines)))
+        assert "s3cret" not in str(bad_file.value)
         scorer = Scorer(_remote(guarded.url, ["jpeg_compressibility"], remote_token_file=str(token)))
         assert scorer.score(_images(2), ["p"] * 2, [{}] * 2).valid_B.all()
     finally:
@@ -239,6 +287,7 @@ def test_a_malformed_answer_or_a_wrong_count_is_one_line_naming_the_server(answe
         assert batch.valid_B.tolist() == [True, False, False, True]
     finally:
         foreign.shutdown()
+        foreign.server_close()
 
 
 def test_a_port_in_use_is_one_line(server, capsys):

@@ -207,11 +207,9 @@ def _reward_server(args) -> int:
     cfg.reward.weights = dict.fromkeys(args.reward, 1.0)
     check_reward_config(cfg.reward)
     token = read_token(args.token_file, "--token-file")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not token:
+    if args.host not in ("127.0.0.1", "localhost") and not token:
         print(f"imagerl: warning: --host {args.host} serves anyone who can reach this machine; --token-file "
               "limits it to clients that hold the token", file=sys.stderr)
-    if not args.max_body_mb > 0:
-        raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     serve(cfg.reward, args.reward, host=args.host, port=args.port, device=args.device, token=token,
           max_body_mb=args.max_body_mb)
     return 0

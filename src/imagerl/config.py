@@ -311,18 +311,20 @@ class RewardConfig:
     reward's check_config."""
     remote: dict[str, str] = field(default_factory=dict)
     """Reward name -> URL of an `imagerl reward-server` that serves it (http://127.0.0.1:8765)."""
-    remote_encoding: str = "uint8"
-    """How images travel to a reward server: "uint8" (round(x * 255), what the CLIP, OCR and JPEG rewards compute
-    from anyway), "png" (the same pixels, compressed) or "float32" (exact, for rewards that read float pixels)."""
+    remote_encoding: str = "auto"
+    """How images travel to a reward server: "auto" (what the server advises for the reward: float32 for one that
+    reads float pixels, as shapes and clipscore do, else uint8), "uint8" (round(x * 255), what the PickScore,
+    aesthetic, OCR and JPEG rewards compute from anyway), "png" (the same pixels, compressed) or "float32" (exact)."""
     remote_timeout_s: float = 300.0
     """Seconds to wait for one answer of a reward server."""
     remote_retries: int = 3
-    """Tries after the first when a reward server is unreachable, times out or is busy (HTTP 502/503/504), waiting
-    1, 2, 4, ... s (capped at 30 s) between them."""
+    """Tries after the first when a reward server is unreachable or busy (HTTP 502/503/504), waiting 1, 2, 4, ... s
+    (capped at 30 s) between them; a request that timed out is not sent again."""
     remote_max_in_flight: int = 2
     """Requests of reward.batch_size images one process keeps open at once, per reward server."""
     remote_token_file: str = ""
-    """A file holding the token the reward server was started with (--token-file)."""
+    """A file holding the token the reward server was started with (--token-file); made absolute when the config is
+    read."""
 
 
 @dataclass
@@ -450,8 +452,8 @@ def _check_type(key: str, value, hint):
         if value is None:
             return None
         raise ValueError(f"{key}: expected null, got {_short(value)}")
-    if hint is typing.Any:
-        return value
+    if hint is typing.Any:  # free-form settings (reward.options): what JSON holds, as checkpoints record the config
+        return _json_value(key, value)
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
@@ -520,6 +522,9 @@ def _set_in_mapping(mapping: dict, keys: list[str], value, hint, dotted: str) ->
     """One entry of a mapping setting, e.g. reward.weights.shapes=2 or reward.options.redness.scale=2: the other
     entries stay; the value is checked against the mapping's value type."""
     _, value_type = typing.get_args(hint)
+    if len(keys) == 1 and value in ("", None):  # `reward.remote.shapes=` removes that entry
+        mapping.pop(keys[0], None)
+        return
     if len(keys) == 1:
         mapping[keys[0]] = _check_type(dotted, value, value_type)
         return
@@ -531,9 +536,21 @@ def _set_in_mapping(mapping: dict, keys: list[str], value, hint, dotted: str) ->
             inner = inner.setdefault(key, {})
             if not isinstance(inner, dict):
                 raise ValueError(f"config key {dotted!r}: {key} is not a mapping")
-        inner[keys[-1]] = value
+        inner[keys[-1]] = _json_value(dotted, value)
         return
     _set_in_mapping(inner, keys[1:], value, value_type, dotted)
+
+
+def _json_value(key: str, value):
+    """value if JSON can hold it (str, int, float, bool, null, lists, mappings with text keys), else ValueError."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _json_value(f"{key}.{k}", v) for k, v in value.items()}
+    raise ValueError(f"{key}: {_short(value)} is a {type(value).__name__}; settings hold text, numbers, true/false, "
+                     "lists and mappings with text keys (quote a date or a time: '2024-01-01')")
 
 
 def recipe_dir() -> Path:
@@ -577,6 +594,8 @@ def config_from_dict(data: dict, overrides: list[str] = ()) -> Config:
             raise ValueError(f"override {item!r}: cannot parse value: {e}") from e
         _set(cfg, key.strip(), value)
     cfg.reward.plugins = [absolute_plugin_path(p) for p in cfg.reward.plugins]
+    if cfg.reward.remote_token_file:
+        cfg.reward.remote_token_file = str(Path(cfg.reward.remote_token_file).expanduser().resolve())
     return cfg
 
 
@@ -585,7 +604,7 @@ def absolute_plugin_path(plugin: str) -> str:
     current folder, so that a resume or an evaluation from another folder imports the same file; a module name as
     given."""
     if plugin.endswith(".py") or "/" in plugin or os.sep in plugin:
-        return str(Path(plugin).expanduser().absolute())
+        return str(Path(plugin).expanduser().resolve())  # resolved: ./a.py and sub/../a.py are one plugin
     return plugin
 
 

@@ -143,20 +143,27 @@ def _train(cfg: Config, world, plan, train_set, test_set, resume_from: Path | No
                     rewards.components if per_reward else None,
                     sample_weights(rollout.metadata_B, cfg.reward.weights, set_weights(cfg)) if per_reward else None,
                     set_ids(rollout.metadata_B, [m.name for m in cfg.data.mixture]))  # each set on its own
-                _check_rewards(scored, reward_metrics["rollout/reward/failed_count"], cfg, run_dir, step, save)
-            with timer("train"), progress_bar(algo.forwards_per_update(plan.batches_per_rank), "  train",
-                                              world.is_main, "fwd", False) as pb:
-                try:
-                    stats = algo.update(adapter, rollout, advantages, optimizer, world, step, progress=pb)
-                except NonFiniteError as e:  # raised before the optimizer step: the weights are the last good ones
-                    raise NonFiniteError(f"rollout {step + 1}: {e}; nothing was saved after the last checkpoint "
-                                         f"({cfg.output_dir / 'checkpoints'})") from e
+                failed = reward_metrics["rollout/reward/failed_count"]
+                _check_rewards(scored, failed, cfg, run_dir, step, save)
+                if failed and world.is_main:  # reward.on_error=skip
+                    bar.write(f"imagerl: warning: rollout {step + 1}: the rewards of {failed} of "
+                              f"{plan.samples_per_rank * world.size} samples failed and are skipped"
+                              + (f": {_reasons(scored)}" if scored.errors else ""))
+            stats = None
+            if failed < plan.samples_per_rank * world.size:  # every sample failed: no optimizer step moves the weights
+                with timer("train"), progress_bar(algo.forwards_per_update(plan.batches_per_rank), "  train",
+                                                  world.is_main, "fwd", False) as pb:
+                    try:
+                        stats = algo.update(adapter, rollout, advantages, optimizer, world, step, progress=pb)
+                    except NonFiniteError as e:  # raised before the optimizer step: the weights are the last good
+                        raise NonFiniteError(f"rollout {step + 1}: {e}; nothing was saved after the last checkpoint "
+                                             f"({cfg.output_dir / 'checkpoints'})") from e
 
             done = step + 1
             metrics = {**reward_metrics, **_component_means(rewards, world), **algo.rollout_metrics(rollout),
                        **set_metrics("rollout", [m.name for m in cfg.data.mixture], rollout.metadata_B,
                                      rewards.total_B, rewards.valid_B, rewards.components, world),
-                       "time/reward_compute_s": scored.compute_s, **stats.as_metrics()}
+                       "time/reward_compute_s": scored.compute_s, **(stats.as_metrics() if stats else {})}
             drifted = monitor(done, rollout.images_B3HW, metrics, bar.write) if monitor else False
             metrics.update(maybe_eval(done))
             gc_freeze.after_iteration(timer)
@@ -350,6 +357,12 @@ def _component_means(rewards, world) -> dict[str, float]:
     return out
 
 
+def _reasons(scored: ScoredRollout) -> str:
+    """The failed batches' messages, each once: 'reward server X: cannot be reached (...) (8 batches)'."""
+    counts = {message: scored.errors.count(message) for message in scored.errors}
+    return "; ".join(m + (f" ({n} batches)" if n > 1 else "") for m, n in counts.items())
+
+
 def _which(scored: ScoredRollout, bad: list[int], cfg: Config) -> str:
     """' (from shapes, served by http://...)': the components that were not finite for those samples."""
     if cfg.data.mixture:  # there a component is NaN wherever its set does not use it: no telling
@@ -365,8 +378,8 @@ def _check_rewards(scored: ScoredRollout, failed_count: int, cfg: Config, run_di
     if cfg.reward.on_error == "skip" or not failed_count:
         return
     bad = (~scored.rewards.valid_B).nonzero().flatten().tolist()
-    reason = "; ".join(scored.errors) or (f"rewards are NaN/inf for samples {bad[:8]}{_which(scored, bad, cfg)}"
-                                          if bad else f"{failed_count} rewards failed on other ranks")
+    reason = _reasons(scored) or (f"rewards are NaN/inf for samples {bad[:8]}{_which(scored, bad, cfg)}"
+                                  if bad else f"{failed_count} rewards failed on other ranks")
     advice = "Fix the reward, then run the same command again (no checkpoint exists yet)"
     if step > 0:  # every rank gets here: failed_count is global
         path = save(step, cfg.run.keep_checkpoints + 1)

@@ -368,13 +368,13 @@ def cli_evaluate(args) -> EvalResult:
     cfg.sample.height, cfg.sample.width, cfg.eval.num_steps, cfg.eval.guidance_scale = defaults.sampling(
         family, height=args.height, width=args.width, num_steps=args.steps, guidance_scale=args.guidance)
     cfg.sample.negative_prompt = args.negative_prompt
+    scorer = Scorer(cfg.reward, world.device)  # before the model: a served reward's server answers first
+    if cfg.reward.remote:  # and checks the prompts
+        scorer.validate_prompts(test_set.prompts, test_set.metadata)
     adapter = family.from_pretrained(path, world.device, resolve_dtype(args.dtype, world.device))
     if lora is not None:
         load_lora(adapter, lora)
     cfg.eval.seed, cfg.eval.batch_size, cfg.eval.max_prompts = args.seed, args.batch_size, args.max_prompts
-    scorer = Scorer(cfg.reward, world.device)
-    if cfg.reward.remote:  # their servers check the prompts
-        scorer.validate_prompts(test_set.prompts, test_set.metadata)
     if world.is_main:
         s = eval_settings(cfg, adapter, test_set)
         print(f"eval: {s.num_prompts} prompts, {s.height}x{s.width} px, {s.num_steps} steps, guidance "

@@ -62,6 +62,8 @@ def center_crop(x: torch.Tensor, size: int | tuple[int, int]) -> torch.Tensor:
 
 @register_reward("clipscore")
 class ClipScore:
+    reads_float_pixels = True  # resizes the float image itself (no uint8 step): a reward server sends it float32
+
     @classmethod
     def check_config(cls, cfg: RewardConfig) -> None:
         check_processor_files(require_dir(cfg.clip_model, "clip_model", CLIP), "clip_model", CLIP)

@@ -59,7 +59,7 @@ def _import_module(name: str) -> None:
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name is not None and name.startswith(e.name):  # the plugin itself, not something it imports
+        if e.name is not None and (e.name == name or name.startswith(e.name + ".")):  # the plugin, not its imports
             raise ValueError(f"reward.plugins: no module named {name!r}; a module must be importable (installed, or "
                              f"on PYTHONPATH); a file is given by its path, e.g. reward.plugins=[./{name}.py]") from e
         raise ValueError(f"reward.plugins: {name} failed to import: {_failure(e)}") from e

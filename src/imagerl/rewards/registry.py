@@ -38,8 +38,8 @@ class RewardError(RuntimeError):
 
 def register_reward(name: str):
     def deco(cls):
-        if name in REWARDS and REWARDS[name] is not cls:
-            old = REWARDS[name]
+        old = REWARDS.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(f"reward {name!r} is registered twice: by {old.__module__}.{old.__qualname__} and by "
                              f"{cls.__module__}.{cls.__qualname__}; rename one")
         REWARDS[name] = cls
@@ -99,8 +99,12 @@ def _validate_with(name: str, reward, prompts: list[str], metadata: list[dict] |
     if hook is None:
         return
     metadata = [{} for _ in prompts] if metadata is None else metadata
+    from imagerl.rewards.remote import RemoteRewardError
+
     try:
         hook(prompts, metadata)
+    except RemoteRewardError:
+        raise  # its server failed: not the prompts
     except ValueError as e:
         raise ValueError(f"reward {name!r} cannot score these prompts: {e}") from e
 

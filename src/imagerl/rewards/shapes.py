@@ -217,6 +217,8 @@ def score_objects(objects: list[dict], spec: dict, height: int, width: int) -> f
 
 @register_reward("shapes")
 class ShapesReward:
+    reads_float_pixels = True  # colour distances on the float image: a reward server sends it float32 (exact)
+
     @classmethod
     def validate_prompts(cls, prompts: list[str], metadata: list[dict] | None = None) -> None:
         metadata = [{} for _ in prompts] if metadata is None else metadata

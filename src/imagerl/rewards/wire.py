@@ -117,11 +117,13 @@ def _decode_pngs(payload: memoryview, sizes, b: int, h: int, w: int) -> torch.Te
     for i, size in enumerate(sizes):
         try:
             with Image.open(io.BytesIO(payload[start:start + size])) as image:
+                if image.size != (w, h):  # before decoding: a small file may hold a huge image
+                    raise WireError(f"image {i} is {image.size[0]}x{image.size[1]}, the header says {w}x{h}")
                 array = np.asarray(image.convert("RGB"))
+        except WireError:
+            raise
         except Exception as e:  # noqa: BLE001 - PIL raises several types for a bad file
             raise WireError(f"image {i} is not a readable PNG: {e}") from None
-        if array.shape != (h, w, 3):
-            raise WireError(f"image {i} is {array.shape[1]}x{array.shape[0]}, the header says {w}x{h}")
         arrays.append(array)
         start += size
     return torch.from_numpy(np.stack(arrays).astype(np.float32)).permute(0, 3, 1, 2).contiguous() / 255
