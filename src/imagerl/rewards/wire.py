@@ -11,8 +11,9 @@ POST /v1/score, body = one line of JSON (the header, UTF-8, no raw newline in it
 * "png": one 8-bit RGB PNG per image, concatenated; the header adds "sizes": [bytes of each PNG].
 
 Answer 200 `{"scores": [B numbers or null]}` (null: not finite, the sample is invalid); any other status
-`{"error": "message"}`. GET /v1/health answers `{"protocol": 1, "rewards": [names], "max_body_bytes": N}` (a larger
-body is refused with 413); POST /v1/validate with the JSON
+`{"error": "message"}`. GET /v1/health answers `{"protocol": 1, "rewards": [names], "max_body_bytes": N,
+"encodings": {name: "uint8" | "float32"}, "images_scored": {name: count}}` (a larger body is refused with 413; the
+encoding that gives each reward its in-process numbers); POST /v1/validate with the JSON
 `{"reward", "prompts", "metadata"}` answers `{"ok": true}` or 422 `{"error": ...}` (a prompt the reward cannot
 score). A token, when the server has one, comes as `Authorization: Bearer <token>`.
 """
