@@ -119,7 +119,9 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim
 def resolve_family_defaults(cfg: Config, adapter) -> None:
     """Fill settings left to the family (guidance scale) and reject ones it cannot honour."""
     if cfg.sample.guidance_scale is None:  # DiffusionNFT samples CFG-free (NVlabs: guidance 1.0)
-        nft = cfg.train.algorithm == "diffusion_nft"
+        from imagerl.algorithms.registry import algorithm_class
+
+        nft = algorithm_class(cfg.train.algorithm).rollout == "clean"  # AWM's official configs sample CFG-free too
         # (a guidance-distilled family has no CFG to turn off: its guidance input keeps the family's default)
         cfg.sample.guidance_scale = 1.0 if nft and adapter.true_cfg else adapter.default_guidance_scale
     if cfg.sample.kv_cache and not adapter.supports_kv_cache:

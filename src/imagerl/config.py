@@ -192,8 +192,9 @@ class SampleConfig:
 @dataclass
 class TrainConfig:
     algorithm: str = "flow_grpo"
-    """"flow_grpo" (SDE rollouts, PPO-clipped likelihood ratios) or "diffusion_nft" (ODE rollouts by the old
-    policy, the flow-matching loss on their clean samples; its settings: the nft section)."""
+    """"flow_grpo" (SDE rollouts, PPO-clipped likelihood ratios), "diffusion_nft" (ODE rollouts by the old policy, the
+    flow-matching loss on their clean samples; its settings: the nft section) or "awm" (ODE rollouts by the policy,
+    the advantage-weighted flow-matching loss; the awm section)."""
     num_rollouts: int = 100
     lr: float = 3e-4
     adam_beta1: float = 0.9
@@ -277,6 +278,37 @@ class NFTConfig:
     shuffle: bool = True
     """With train.num_optimizer_steps > 1: shuffle the rollout's samples (seeded, stratified by group) before they
     are split over the optimizer steps, as NVlabs' train_nft_sd3.py does; false: the first groups go to step 1."""
+
+
+@dataclass
+class AWMConfig:
+    """AWM, Advantage Weighted Matching (train.algorithm=awm; arXiv 2509.25050). Defaults: the official OCR config,
+    github.com/scxue/advantage_weighted_matching at be51372, config/dgx_awm.py ocr_sd3_no_cfg_1node (lines 176-228)
+    and config/base_awm.py; learning rate 3e-4 and LoRA 32/64 there are train.lr / model.lora_rank."""
+
+    solver: str = "euler"
+    """Rollout ODE sampler: "euler" (Flow-Factory's AWM port) or "dpm2"; the official SA-Solver is not in imagerl."""
+    num_timesteps: int = 6
+    """Grid indices trained per sample, one per stratum (train_timesteps 6)."""
+    timestep_fraction: float = 0.9
+    """Indices drawn from [s, floor(T x fraction)): 0.9 of 14 -> up to index 11 (timestep_fraction 0.9)."""
+    skip_first: bool = True
+    """s = 1: never the first, noisiest index (time_type discrete_wo_init: GenEval, OCR); false: s = 0 (discrete,
+    PickScore)."""
+    weighting: str = "ghuber"
+    """"ghuber": -((mse + 1e-10)^p - 1e-10^p) t / p (every official config); "uniform": -mse."""
+    ghuber_power: float = 0.25
+    kl_weight: float = 0.003
+    """beta of the velocity MSE to the reference model (adapters off): 0.003 OCR, 0.001 GenEval, 0.0001 PickScore;
+    0 turns off both KL terms (as the official code nests the EMA term under it)."""
+    ema_kl_weight: float = 1.0
+    """ema_beta of the velocity MSE to the KL anchor, an EMA of the policy refreshed after each rollout."""
+    ema_kl_decay_rate: float = 0.001
+    ema_kl_decay_cap: float = 0.3
+    """The anchor's decay after k optimizer steps: min(rate k, cap) (kl_ema_decay 0.3, type linear)."""
+    ema: bool = True
+    """Evaluate and export an EMA of the policy, decay min((1 + k) / (10 + k), ema_cap) (train.ema, decay 0.99)."""
+    ema_cap: float = 0.99
 
 
 @dataclass
@@ -419,6 +451,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
+    awm: AWMConfig = field(default_factory=AWMConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

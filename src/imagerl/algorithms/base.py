@@ -15,6 +15,7 @@ An algorithm is a class registered by name (`@register_algorithm`, algorithms/re
                           ({"train/<field>": value}; docs/metrics.md documents every key); NonFiniteError before an
                           optimizer step whose loss or gradient is not finite (the weights stay the last good ones)
   forwards_per_update(batches_per_rank) -> int   training forwards of one update (the progress bar's total)
+  trained_steps(cfg) -> int                      (classmethod) timesteps trained per image (the CPU time estimate)
   rollout_metrics(rollout) -> dict               extra rollout/* metrics (default none)
   evaluation_weights()    context manager: the weights evaluation and lora/ exports use (an EMA), else the policy
   checkpoint_state()      {section: {name: tensor}} kept beside the LoRA and optimizer in checkpoints and loaded into
@@ -129,6 +130,11 @@ class Algorithm(abc.ABC):
     @abc.abstractmethod
     def forwards_per_update(self, batches_per_rank: int) -> int:
         """Training forwards of one update (the progress bar's total)."""
+
+    @classmethod
+    def trained_steps(cls, cfg) -> int:
+        """Timesteps trained per image (the CPU time estimate): the SDE window's by default."""
+        return cfg.sample.num_sde_steps
 
     def rollout_metrics(self, rollout) -> dict[str, float]:
         return {}

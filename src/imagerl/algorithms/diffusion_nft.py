@@ -115,9 +115,10 @@ def timestep_order(seed: int, rollout_step: int, sample_ids: list[int], num_step
                         for sid in sample_ids])
 
 
-def forward_noise(seed: int, rollout_step: int, sample_ids: list[int], j: int, like: torch.Tensor) -> torch.Tensor:
-    """Fresh noise for trained step j of each sample, keyed by (seed, rollout step, global sample index, j)."""
-    return torch.cat([torch.randn((1, *like.shape[1:]), generator=make_generator(seed, "nft_noise", rollout_step, sid, j))
+def forward_noise(seed: int, rollout_step: int, sample_ids: list[int], j: int, like: torch.Tensor,
+                  tag: str = "nft_noise") -> torch.Tensor:
+    """Fresh noise for trained step j of each sample, keyed by (seed, tag, rollout step, global sample index, j)."""
+    return torch.cat([torch.randn((1, *like.shape[1:]), generator=make_generator(seed, tag, rollout_step, sid, j))
                       for sid in sample_ids]).to(like.device)
 
 
@@ -284,8 +285,12 @@ class DiffusionNFT(Algorithm):
         self.clock.advance(self.cfg.train.num_optimizer_steps)
         return stats
 
+    @classmethod
+    def trained_steps(cls, cfg: Config) -> int:
+        return trained_timesteps(cfg.sample.num_steps, cfg.nft.timestep_fraction)
+
     def forwards_per_update(self, batches_per_rank: int) -> int:
-        return batches_per_rank * trained_timesteps(self.cfg.sample.num_steps, self.cfg.nft.timestep_fraction)
+        return batches_per_rank * self.trained_steps(self.cfg)
 
     def rollout_metrics(self, rollout: CleanRollout) -> dict[str, float]:
         return {}

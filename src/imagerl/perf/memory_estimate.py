@@ -163,7 +163,9 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
     """The peak memory per rank of cfg's run on a model of these dims (module docstring); no device needed.
     text_tokens: the text length per row (default the cap, sample.max_sequence_length)."""
     s, t = cfg.sample, cfg.train
-    nft = t.algorithm == "diffusion_nft"
+    from imagerl.algorithms.registry import algorithm_class
+
+    nft = algorithm_class(t.algorithm).rollout == "clean"  # clean rollouts: x0 kept, two LoRA copies (NFT, AWM)
     shard = world_size if fsdp else 1
     from imagerl.families.base import cfg_rows as rows_per_sample
 

@@ -77,11 +77,9 @@ def cpu_rollout_warning(cfg, path: Path, family_name: str) -> str | None:
 def _trained_steps(cfg) -> int:
     """Timesteps trained per image: DiffusionNFT's first floor(T x nft.timestep_fraction) of the grid (the
     quickstart: 4 of 10; counting all 10 put its estimate at twice the run), Flow-GRPO's SDE window."""
-    if cfg.train.algorithm == "diffusion_nft":
-        from imagerl.algorithms.diffusion_nft import trained_timesteps
+    from imagerl.algorithms.registry import algorithm_class
 
-        return trained_timesteps(cfg.sample.num_steps, cfg.nft.timestep_fraction)
-    return cfg.sample.num_sde_steps
+    return algorithm_class(cfg.train.algorithm).trained_steps(cfg)
 
 
 def measured_rollout_seconds(adapter, cfg, ranks: int = 1) -> float:
