@@ -137,7 +137,8 @@ def test_run_aks_row_out_of_memory_is_refused_on_an_h100_and_the_recipes_rows_ar
         estimate = estimate_memory(_config("qwen_image_jpeg", settings + [f"model.checkpoint_blocks={blocks}"]), dims,
                                    text_tokens=TEXT_TOKENS)
         assert (estimate.peak <= usable) == fits, blocks
-    for recipe in ("qwen_image_jpeg_80gb", "qwen_image_nft_ocr_80gb", "qwen_image_awm_ocr_80gb"):  # their geometry, text at its cap
+    for recipe in ("qwen_image_jpeg_80gb", "qwen_image_nft_ocr_80gb", "qwen_image_awm_ocr_80gb",
+                   "qwen_image_dppo_ocr_80gb"):  # their own geometry, the text at its cap
         assert estimate_memory(load_config(recipe, []), dims).peak <= usable, recipe
 
 

@@ -193,8 +193,9 @@ class SampleConfig:
 class TrainConfig:
     algorithm: str = "flow_grpo"
     """"flow_grpo" (SDE rollouts, PPO-clipped likelihood ratios), "diffusion_nft" (ODE rollouts by the old policy, the
-    flow-matching loss on their clean samples; its settings: the nft section) or "awm" (ODE rollouts by the policy,
-    the advantage-weighted flow-matching loss; the awm section)."""
+    flow-matching loss on their clean samples; its settings: the nft section), "awm" (ODE rollouts by the policy,
+    the advantage-weighted flow-matching loss; the awm section) or "dppo" (Flow-GRPO's rollouts, its ratio clip
+    replaced by a trust-region mask on the transitions' KL; the dppo section)."""
     num_rollouts: int = 100
     lr: float = 3e-4
     adam_beta1: float = 0.9
@@ -309,6 +310,16 @@ class AWMConfig:
     ema: bool = True
     """Evaluate and export an EMA of the policy, decay min((1 + k) / (10 + k), ema_cap) (train.ema, decay 0.99)."""
     ema_cap: float = 0.99
+
+
+@dataclass
+class DPPOConfig:
+    """Flow-DPPO (train.algorithm=dppo; Flow-GRPO's rollouts and settings otherwise). Defaults: verl-omni at a1139ba,
+    examples/flowdppo_trainer/qwen_image/run_qwen_image_ocr_lora.sh and UniRL's examples/diffusion/sd3_flowdppo.yaml."""
+
+    kl_threshold: float = 1e-5
+    """delta: an update whose per-step Gaussian KL to the rollout's transition (mean over latent elements) reaches it
+    is dropped where it moves further the way the advantage pushes (kl_mask_threshold 1e-5 in both)."""
 
 
 @dataclass
@@ -452,6 +463,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
     awm: AWMConfig = field(default_factory=AWMConfig)
+    dppo: DPPOConfig = field(default_factory=DPPOConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

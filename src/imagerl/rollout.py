@@ -132,6 +132,14 @@ def _plan(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, initial
                  s.decode_batch_size or training_batch_size(cfg))
 
 
+def keeps_step_means(cfg: Config) -> bool:
+    """Whether the rollout keeps each window step's SDE mean (train.ratio=grpo_guard; an algorithm whose class sets
+    keeps_step_means, Flow-DPPO)."""
+    from imagerl.algorithms.registry import algorithm_class
+
+    return cfg.train.ratio == "grpo_guard" or getattr(algorithm_class(cfg.train.algorithm), "keeps_step_means", False)
+
+
 def _decode(adapter, plan: _Plan, batch: slice, x_BNC: torch.Tensor, cfg: Config, on_batch) -> torch.Tensor:
     """Images of one rollout batch, decoded sample.decode_batch_size at a time (default the training batch): the
     VAE's full-resolution activations of a large rollout batch set the peak; each chunk is scored (on_batch) as soon
@@ -167,7 +175,8 @@ def generate(adapter, groups: PromptGroups, cfg: Config, rollout_step: int, wind
     grid = step_grid(s.num_steps, window, s.post_window_steps, s.post_window_ratio)
     grid_sigmas, grid_timesteps = sigmas[grid], timesteps[grid[:-1]]
     traj_in, traj_out, log_probs, images, means = [], [], [], [], []
-    keep_means = cfg.train.ratio == "grpo_guard"  # its ratio compares the policy's step mean with the rollout's
+    keep_means = keeps_step_means(cfg)  # GRPO-Guard's ratio and Flow-DPPO's divergence compare the policy's step
+                                        # mean with the rollout's
     for start in range(0, len(prompts_B), s.batch_size):
         batch = slice(start, start + s.batch_size)
         n = len(prompts_B[batch])

@@ -121,8 +121,20 @@ def kept_per_step(advantages_B: torch.Tensor, batches: list[slice], num_optimize
 
 
 def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, optimizer: torch.optim.Optimizer,
-                     cfg: Config, world: World, progress=None, after_step=None, rollout_step: int = 0) -> TrainStats:
+                     cfg: Config, world: World, progress=None, after_step=None, rollout_step: int = 0,
+                     policy_loss=None) -> TrainStats:
+    """policy_loss(out, old_log_prob_B, old_mean_BNC, sqrt_neg_dt, advantages_B) -> (per-sample loss, ratio, clipped:
+    the samples the clipfrac counts); default: train.ratio's (the PPO clip or GRPO-Guard). Flow-DPPO (dppo.py) gives
+    its own."""
     t = cfg.train
+    if policy_loss is None:
+        def policy_loss(out, old, old_mean, sqrt_neg_dt, adv):
+            if t.ratio == "grpo_guard":
+                loss_B, ratio = grpo_guard_loss(out.log_prob, old, out.mean, old_mean, out.std_dev_t, sqrt_neg_dt, adv,
+                                                t.clip_range, t.adv_clip_max)
+            else:
+                loss_B, ratio = ppo_clip_loss(out.log_prob, old, adv, t.clip_range, t.adv_clip_max)
+            return loss_B, ratio, (ratio - 1).abs() > t.clip_range
     params = adapter.trainable_parameters()
     batches = rollout.batches()
     if t.shuffle_batches:
@@ -142,12 +154,9 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
         for j in range(num_steps_window):
             out = _step_log_prob(adapter, rollout, batch, j, cond, cfg)
             old = rollout.log_probs_BS[batch, j].to(adapter.device)
-            if t.ratio == "grpo_guard":
-                sqrt_neg_dt = (rollout.sigmas_S[j] - rollout.sigmas_next_S[j]).sqrt()
-                policy_B, ratio = grpo_guard_loss(out.log_prob, old, out.mean, rollout.means_BSNC[batch, j].to(
-                    adapter.device), out.std_dev_t, sqrt_neg_dt, advantages_B[batch], t.clip_range, t.adv_clip_max)
-            else:
-                policy_B, ratio = ppo_clip_loss(out.log_prob, old, advantages_B[batch], t.clip_range, t.adv_clip_max)
+            sqrt_neg_dt = (rollout.sigmas_S[j] - rollout.sigmas_next_S[j]).sqrt()
+            old_mean = rollout.means_BSNC[batch, j].to(adapter.device) if rollout.means_BSNC is not None else None
+            policy_B, ratio, clipped_B = policy_loss(out, old, old_mean, sqrt_neg_dt, advantages_B[batch])
             kl_B = torch.zeros_like(policy_B)
             if t.beta > 0:
                 with torch.no_grad(), adapter.lora_disabled():
@@ -165,7 +174,7 @@ def flow_grpo_update(adapter, rollout: Rollout, advantages_B: torch.Tensor, opti
                 n = diff.numel()
                 on = float(opt_step == 0)
                 sums += torch.stack([loss.detach().double() * n, policy_B.sum().double(), kl_B.sum().double(),
-                                     ((ratio - 1).abs() > t.clip_range).double().sum(), (0.5 * diff**2).sum(),
+                                     clipped_B.double().sum(), (0.5 * diff**2).sum(),
                                      (ratio - 1).abs().double().sum(), diff.new_tensor(n),
                                      on * diff.abs().sum(), diff.new_tensor(on * n)])
             if progress is not None:
@@ -273,6 +282,11 @@ class FlowGRPO(Algorithm):
 
     def update(self, adapter, rollout: Rollout, advantages_B, optimizer, world: World, step: int,
                progress=None) -> TrainStats:
+        return self._update(adapter, rollout, advantages_B, optimizer, world, step, progress)
+
+    def _update(self, adapter, rollout: Rollout, advantages_B, optimizer, world: World, step: int, progress=None,
+                policy_loss=None) -> TrainStats:
+        """The update with this policy objective (flow_grpo_update's policy_loss; None: train.ratio's)."""
         after_step, decays, t = None, [], self.cfg.train
         if self.ema is not None:
             done = int(self.clock)
@@ -291,7 +305,7 @@ class FlowGRPO(Algorithm):
                         self.ema.blend_toward_policy("ema", decays[-1])
 
         stats = flow_grpo_update(adapter, rollout, advantages_B, optimizer, self.cfg, world, progress=progress,
-                                 after_step=after_step, rollout_step=step)
+                                 after_step=after_step, rollout_step=step, policy_loss=policy_loss)
         self.clock.advance(self.cfg.train.num_optimizer_steps)
         if decays:
             stats.ema_decay = decays[-1]

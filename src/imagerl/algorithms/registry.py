@@ -8,7 +8,7 @@ that a name lookup never depends on what happened to be imported before. A plugi
 from __future__ import annotations
 
 ALGORITHMS: dict[str, type] = {}
-BUILTIN = ("flow_grpo", "diffusion_nft", "awm")  # listed first, in this order, whatever was imported first
+BUILTIN = ("flow_grpo", "diffusion_nft", "awm", "dppo")  # listed first, in this order, whatever was imported first
 
 
 def register_algorithm(cls):
@@ -20,7 +20,7 @@ def register_algorithm(cls):
 
 
 def _import_builtin() -> None:
-    from imagerl.algorithms import awm, diffusion_nft, flow_grpo  # noqa: F401  (registration on import)
+    from imagerl.algorithms import awm, diffusion_nft, dppo, flow_grpo  # noqa: F401  (registration on import)
 
 
 def algorithm_names() -> list[str]:

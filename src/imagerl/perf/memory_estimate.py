@@ -183,8 +183,10 @@ def estimate_memory(cfg, dims: ModelDims, world_size: int = 1, fsdp: bool = Fals
     gradients = lora * 4
 
     latent = dims.latent_values * 4  # float32
-    # per SDE step: the latent in and out (+ the step's mean for train.ratio=grpo_guard) and a log-prob
-    kept = latent * (1 if nft else (3 if t.ratio == "grpo_guard" else 2) * s.num_sde_steps) + \
+    # per SDE step: the latent in and out (+ the step's mean for train.ratio=grpo_guard and Flow-DPPO) and a log-prob
+    from imagerl.rollout import keeps_step_means
+
+    kept = latent * (1 if nft else (3 if keeps_step_means(cfg) else 2) * s.num_sde_steps) + \
         (0 if nft else 4 * s.num_sde_steps)
     # the prompts' embeddings (and the negative prompt's), shared by their samples
     text = (prompts_per_rank + 1) * (tokens - dims.image_tokens) * dims.text_hidden * dims.text_bytes_per_value
