@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from imagerl.algorithms.awm import AWM, awm_loss, awm_timestep_indices, awm_update, scaled_advantages
-from imagerl.components import load_adapter, resolve_family_defaults
-from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
-from imagerl.distributed.parallel import World
+from algorithm_probe import first_update
+from imagerl.algorithms.awm import awm_loss, awm_timestep_indices, awm_update, scaled_advantages
 from imagerl.validation import validate
 
 AWM_ARGS = ["train.algorithm=awm", "sample.prompts_per_rollout=2", "sample.group_size=2", "sample.batch_size=2",
@@ -107,22 +105,9 @@ def test_config_validation(tiny_checkpoint, tmp_path):
 
 def _update_grads(cfg, advantages):
     """One awm_update at lr 0 on the tiny model; the gradients its optimizer step saw, and the stats."""
-    world = World(0, 1, torch.device("cpu"))
-    adapter = load_adapter(cfg, world)
-    resolve_family_defaults(cfg, adapter)
-    algo = AWM(cfg, adapter)
-    groups = GroupSampler(load_prompt_set(bundled_prompt_file()), cfg.sample.prompts_per_rollout, cfg.run.seed).groups_for(0)
-    rollout = algo.generate(adapter, groups, 0)
-    seen = []
-
-    class Recorder(torch.optim.SGD):
-        def step(self, closure=None):
-            seen.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.param_groups[0]["params"]])
-            return super().step(closure)
-
-    params = adapter.trainable_parameters()
-    stats = awm_update(adapter, rollout, advantages, Recorder(params, lr=0.0), cfg, world, algo.states, 0, 0)
-    return seen[0], stats
+    grads, stats, *_ = first_update(cfg, advantages, lambda adapter, algo, rollout, a, optimizer, world: awm_update(
+        adapter, rollout, a, optimizer, cfg, world, algo.states, 0, 0))
+    return grads, stats
 
 
 def test_a_whole_update_at_the_fresh_lora_is_odd_in_the_advantages(tiny_checkpoint, tmp_path):

@@ -6,13 +6,11 @@ import json
 import pytest
 import torch
 
+from algorithm_probe import first_update
 from conftest import tiny_config
-from imagerl.algorithms.diffusion_nft import (DiffusionNFT, diffusion_nft_update, ema_decay, nft_loss,
-                                              old_policy_decay, reward_probability, trained_timesteps)
+from imagerl.algorithms.diffusion_nft import (diffusion_nft_update, ema_decay, nft_loss, old_policy_decay,
+                                              reward_probability, trained_timesteps)
 from imagerl.algorithms.lora_states import LoraStates
-from imagerl.components import load_adapter, resolve_family_defaults
-from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
-from imagerl.distributed.parallel import World
 from imagerl.train import train
 from imagerl.validation import validate
 
@@ -168,27 +166,13 @@ def test_config_validation(tiny_checkpoint, tmp_path):
 
 def _update_grads(cfg, advantages):
     """One diffusion_nft_update at lr 0 on the tiny model; the gradients its optimizer step saw."""
-    world = World(0, 1, torch.device("cpu"))
-    adapter = load_adapter(cfg, world)
-    resolve_family_defaults(cfg, adapter)
-    algo = DiffusionNFT(cfg, adapter)
-    groups = GroupSampler(load_prompt_set(bundled_prompt_file()), cfg.sample.prompts_per_rollout, cfg.run.seed).groups_for(0)
-    rollout = algo.generate(adapter, groups, 0)
-    seen = []
-
-    class Recorder(torch.optim.SGD):
-        def step(self, closure=None):
-            # (the last block's text-stream LoRA feeds nothing: no gradient)
-            seen.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.param_groups[0]["params"]])
-            return super().step(closure)
-
+    grads, stats, _, algo, adapter = first_update(
+        cfg, advantages, lambda adapter, algo, rollout, a, optimizer, world: diffusion_nft_update(
+            adapter, rollout, a, optimizer, cfg, world, algo.states, 0))
     params = adapter.trainable_parameters()
-    before = [p.detach().clone() for p in params]
-    stats = diffusion_nft_update(adapter, rollout, advantages, Recorder(params, lr=0.0), cfg, world, algo.states, 0)
-    assert all(torch.equal(p, q) for p, q in zip(params, before))
     for name in algo.states.states:  # old and EMA blended toward an unchanged policy: still equal to it
         assert all(torch.equal(s, p) for s, p in zip(algo.states.states[name], params))
-    return seen[0], stats
+    return grads, stats
 
 
 def test_at_lr_zero_policy_old_and_reference_coincide_and_the_gradient_is_odd_in_the_advantages(tiny_checkpoint,

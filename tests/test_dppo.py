@@ -7,11 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from algorithm_probe import first_update
 from imagerl.algorithms.dppo import dppo_loss
-from imagerl.algorithms.registry import algorithm_class
-from imagerl.components import load_adapter, resolve_family_defaults
-from imagerl.data.prompts import GroupSampler, bundled_prompt_file, load_prompt_set
-from imagerl.distributed.parallel import World
 from imagerl.validation import validate
 
 
@@ -70,32 +67,13 @@ def test_config_validation(tiny_checkpoint, tmp_path):
             validate(tiny_config(tiny_checkpoint, tmp_path, *base, override))
 
 
-def _first_step_grads(cfg, algorithm, advantages):
-    world = World(0, 1, torch.device("cpu"))
-    adapter = load_adapter(cfg, world)
-    resolve_family_defaults(cfg, adapter)
-    algo = algorithm_class(algorithm)(cfg, adapter)
-    groups = GroupSampler(load_prompt_set(bundled_prompt_file()), cfg.sample.prompts_per_rollout, cfg.run.seed).groups_for(0)
-    rollout = algo.generate(adapter, groups, 0)
-    seen = []
-
-    class Recorder(torch.optim.SGD):
-        def step(self, closure=None):
-            seen.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.param_groups[0]["params"]])
-            return super().step(closure)
-
-    stats = algo.update(adapter, rollout, advantages, Recorder(adapter.trainable_parameters(), lr=0.0), world, 0)
-    return seen[0], stats, rollout
-
-
 def test_the_on_policy_step_is_flow_grpos_update(tiny_checkpoint, tmp_path):
     """In a rollout's first optimizer step the ratio is 1 and the divergence 0: Flow-DPPO's gradient is Flow-GRPO's
     (advantages inside its clamp), whose float64 reference is tests/test_flow_grpo_update_reference.py."""
     common = ["train.num_optimizer_steps=1", "train.beta=0"]
     a = torch.tensor([1.5, -2.0, 4.0, -0.5])
-    dppo, stats, rollout = _first_step_grads(tiny_config(tiny_checkpoint, tmp_path, "train.algorithm=dppo", *common),
-                                             "dppo", a)
-    grpo, _, _ = _first_step_grads(tiny_config(tiny_checkpoint, tmp_path, *common), "flow_grpo", a)
+    dppo, stats, rollout, *_ = first_update(tiny_config(tiny_checkpoint, tmp_path, "train.algorithm=dppo", *common), a)
+    grpo, *_ = first_update(tiny_config(tiny_checkpoint, tmp_path, *common), a)
     assert rollout.means_BSNC is not None and stats.clipfrac == 0.0 and stats.log_prob_mean_abs_diff == 0.0
     assert any(x.abs().max() > 0 for x in dppo)
     assert all(torch.allclose(x, y, rtol=1e-6, atol=1e-12) for x, y in zip(dppo, grpo))

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from imagerl.algorithms.base import Algorithm, OptimizerClock, ema_decay, run_optimizer_steps, stats_as_metrics
+from imagerl.algorithms.base import (Algorithm, OptimizerClock, evaluation_ema_step, run_optimizer_steps,
+                                     stats_as_metrics)
 from imagerl.algorithms.diffusion_nft import forward_noise, old_policy_decay
 from imagerl.algorithms.registry import register_algorithm
 from imagerl.config import Config
@@ -176,13 +177,9 @@ def awm_update(adapter, rollout: CleanRollout, advantages_B: torch.Tensor, optim
             if progress is not None:
                 progress.update(1)
 
-    def after_step(opt_step: int) -> None:
-        if a.ema:
-            ema_decays.append(ema_decay(steps_before + opt_step + 1, a.ema_cap))
-            states.blend_toward_policy("ema", ema_decays[-1])
-
     grad_norms = run_optimizer_steps(adapter, optimizer, world, params, batches, t.num_optimizer_steps,
-                                     t.max_grad_norm, train_batch, after_step)
+                                     t.max_grad_norm, train_batch,
+                                     evaluation_ema_step(states, a.ema, a.ema_cap, steps_before, ema_decays))
     decay = old_policy_decay(steps_before + t.num_optimizer_steps, 0, a.ema_kl_decay_rate, a.ema_kl_decay_cap)
     states.blend_toward_policy("kl_ema", decay)
 

@@ -54,6 +54,17 @@ def ema_decay(k: int, cap: float) -> float:
     return min((1 + k) / (10 + k), cap)
 
 
+def evaluation_ema_step(states, enabled: bool, cap: float, steps_before: int, decays: list):
+    """An after_step for run_optimizer_steps: the evaluation EMA (LoRA state "ema") <- e EMA + (1 - e) theta with
+    e = ema_decay(k, cap), k the optimizer steps so far; each e is appended to `decays`. A no-op when not enabled."""
+    def after_step(opt_step: int) -> None:
+        if enabled:
+            decays.append(ema_decay(steps_before + opt_step + 1, cap))
+            states.blend_toward_policy("ema", decays[-1])
+
+    return after_step
+
+
 class OptimizerClock:
     """Optimizer steps taken so far: the clock of the EMA and old-policy decays. Counted, not derived from the
     rollout index (a resume may change train.num_optimizer_steps), and saved in checkpoints as the 0-d int64 tensor

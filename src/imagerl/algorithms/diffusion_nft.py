@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from imagerl.algorithms.base import Algorithm, OptimizerClock, ema_decay, run_optimizer_steps, stats_as_metrics
+from imagerl.algorithms.base import (Algorithm, OptimizerClock, ema_decay, evaluation_ema_step, run_optimizer_steps,
+                                     stats_as_metrics)
 from imagerl.algorithms.registry import register_algorithm
 from imagerl.config import Config
 from imagerl.distributed.parallel import World
@@ -206,13 +207,9 @@ def diffusion_nft_update(adapter, rollout: CleanRollout, advantages_B: torch.Ten
             if progress is not None:
                 progress.update(1)
 
-    def after_step(opt_step: int) -> None:
-        if n.ema:
-            ema_decays.append(ema_decay(done_before + opt_step + 1, n.ema_cap))
-            states.blend_toward_policy("ema", ema_decays[-1])
-
     grad_norms = run_optimizer_steps(adapter, optimizer, world, params, batches, t.num_optimizer_steps,
-                                     t.max_grad_norm, train_batch, after_step)
+                                     t.max_grad_norm, train_batch,
+                                     evaluation_ema_step(states, n.ema, n.ema_cap, done_before, ema_decays))
     decay = old_decay_at(done_before + t.num_optimizer_steps)
     states.blend_toward_policy("old", decay)
 
