@@ -27,9 +27,13 @@ QUICK = ["sample.prompts_per_rollout=4", "sample.group_size=4", "sample.batch_si
          "data.test_prompts=", "run.image_grid_every=0", "run.tensorboard=false", "reward.batch_size=8"]
 
 
+# the tests' own requests, like the client's, never go through an http_proxy the environment may set
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def images_scored(url: str) -> dict:
     """The server's count of images scored per reward (GET /v1/health): proof that requests reached it."""
-    with urllib.request.urlopen(url + "/v1/health", timeout=30) as answer:
+    with DIRECT.open(url + "/v1/health", timeout=30) as answer:
         return json.loads(answer.read())["images_scored"]
 
 
@@ -207,7 +211,7 @@ def test_a_slow_server_and_an_oversized_request_each_get_one_line(server):
     body = encode_request("shapes", images, ["a red circle"] * 96, [{}] * 96, "float32")
     request = urllib.request.Request(server.url + "/v1/score", data=body, method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=60)
+        DIRECT.open(request, timeout=60)
     assert refused.value.code == 413 and "over the server's 4 MiB" in json.loads(refused.value.read())["error"]
 
 
