@@ -156,7 +156,7 @@ def test_ema_schedule_is_flow_grpos(monkeypatch, interval, repeats):
     emas = []
 
     def fake_update(adapter, rollout, advantages, optimizer, cfg, world, progress=None, after_step=None,
-                    rollout_step=0):
+                    rollout_step=0, policy_loss=None):
         for opt_step in range(2):
             with torch.no_grad():
                 weight.copy_(targets[2 * rollout_step + opt_step])
