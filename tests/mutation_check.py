@@ -64,6 +64,13 @@ MUTATIONS = [
              ".abs().mean(dim=dims, keepdim=True).clamp(min=weight_min)",
              ".abs().mean(dim=dims, keepdim=True).mean(dim=0, keepdim=True).clamp(min=weight_min)",
              ("tests/test_diffusion_nft.py",)),
+    Mutation("h", "awm_loss: the advantage scaling A / c dropped (clip only)", "imagerl/algorithms/awm.py",
+             "return advantages_B.clamp(-adv_clip_max, adv_clip_max) / adv_clip_max",
+             "return advantages_B.clamp(-adv_clip_max, adv_clip_max)",
+             ("tests/test_awm.py",)),
+    Mutation("i", "dppo_loss: the mask drops corrective updates (ratio < 1 with A > 0)", "imagerl/algorithms/dppo.py",
+             "dropped = (high & (ratio > 1.0) & (advantages > 0))", "dropped = (high & (ratio < 1.0) & (advantages > 0))",
+             ("tests/test_dppo.py",)),
 ]
 
 
